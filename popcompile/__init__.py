@@ -1,0 +1,31 @@
+"""popcompile: Prefill-Only Pruning (POP) as a compiler pipeline.
+
+    load_model -> capture -> pop_pass -> export -> PopSession
+
+Attributes are imported on first use, so ``import popcompile.runtime`` in a deployment pulls in
+neither torch nor transformers.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "load_model": "popcompile.models",
+    "capture": "popcompile.capture",
+    "KVLayout": "popcompile.kv",
+    "pop_pass": "popcompile.passes.pop",
+    "resolve_cut": "popcompile.passes.pop",
+    "build_graphs": "popcompile.pipeline",
+    "export": "popcompile.exporters.onnx",
+    "PopSession": "popcompile.runtime.ort",
+}
+
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'popcompile' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

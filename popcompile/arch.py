@@ -1,0 +1,60 @@
+"""The per-architecture table: the only place where architectures differ.
+
+Everything else (capture, the POP pass, the reference) works from the HF config and from graph
+metadata. An entry says what the model's forward accepts, not how it computes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    model_type: str
+    # The model's forward accepts {"full_attention": mask, "sliding_attention": mask} (models with
+    # config.layer_types); otherwise it takes one 4D mask for every layer.
+    mask_mapping: bool
+    # Module names inside a decoder layer that the eager reference and POP+ calibration use.
+    input_norm: str = "input_layernorm"
+    k_proj: str = "self_attn.k_proj"
+    v_proj: str = "self_attn.v_proj"
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    spec.model_type: spec
+    for spec in (
+        ArchSpec("llama", mask_mapping=False),
+        ArchSpec("mistral", mask_mapping=False),
+        ArchSpec("qwen2", mask_mapping=True),
+        ArchSpec("qwen3", mask_mapping=True),
+        ArchSpec("gemma3_text", mask_mapping=True),
+    )
+}
+
+
+def arch_spec(config) -> ArchSpec:
+    """The table entry for a HF config, or a ValueError naming the model type and what is supported."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r}: popcompile handles decoder-only "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def layer_kinds(config) -> list[str]:
+    """Attention kind of every layer: "full_attention" or "sliding_attention"."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return list(kinds)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """Window of each attention kind the model uses (None = full causal), in layer order of first use."""
+    windows: dict[str, int | None] = {}
+    for kind in layer_kinds(config):
+        windows.setdefault(kind, config.sliding_window if kind == "sliding_attention" else None)
+    return windows

@@ -1,0 +1,89 @@
+"""Find decoder layers and their parts in an exported graph, from node metadata alone.
+
+Every call node exported by torch.export carries ``meta["nn_module_stack"]``: the chain of modules
+it ran inside, innermost last, each as ``(path, type)``. A path such as
+``model.model.layers.7.self_attn.k_proj`` gives the layer index (7) and the part inside the layer
+(``self_attn.k_proj``). No model class or architecture name is consulted.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+_LAYER_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.(.+))?$")
+INPUT_NORM = "input_layernorm"
+
+
+def module_path(node: fx.Node) -> str:
+    """Innermost module path of a node ("" for nodes outside any submodule)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def layer_part(node: fx.Node) -> tuple[int, str] | None:
+    """(layer index, part inside the layer) or None when the node is not inside a decoder layer.
+
+    The part is "" for nodes that belong to the layer itself (residual adds are tagged so).
+    """
+    match = _LAYER_PATH.search(module_path(node))
+    if match is None:
+        return None
+    return int(match.group(1)), match.group(2) or ""
+
+
+@dataclass
+class Layer:
+    """The nodes of one decoder layer and the hidden state it reads."""
+
+    index: int
+    nodes: list[fx.Node] = field(default_factory=list)
+    input: fx.Node | None = None  # the outside input of its input_layernorm
+
+    def parts(self) -> Counter:
+        """Node count by part ("self_attn.k_proj", "mlp", ...)."""
+        return Counter(layer_part(n)[1] for n in self.nodes)
+
+    def nodes_in(self, part: str) -> list[fx.Node]:
+        return [n for n in self.nodes if layer_part(n)[1] == part]
+
+
+def find_layers(graph: fx.Graph) -> list[Layer]:
+    """All decoder layers of a graph, in index order, each with its input hidden state.
+
+    The layer input is found as the node outside ``input_layernorm`` that the norm's nodes read:
+    not as "the previous layer's last node", since the residual add may read a no-op cast that is
+    tagged as part of the norm.
+    """
+    layers: dict[int, Layer] = {}
+    for node in graph.nodes:
+        found = layer_part(node) if node.op == "call_function" else None
+        if found is not None:
+            layers.setdefault(found[0], Layer(found[0])).nodes.append(node)
+    ordered = [layers[i] for i in sorted(layers)]
+    if [layer.index for layer in ordered] != list(range(len(ordered))):
+        raise ValueError(f"decoder layers are not numbered 0..L-1: found {sorted(layers)}")
+    for layer in ordered:
+        layer.input = _norm_input(layer)
+    return ordered
+
+
+def _norm_input(layer: Layer) -> fx.Node:
+    norm_nodes = set(layer.nodes_in(INPUT_NORM))
+    if not norm_nodes:
+        raise ValueError(f"layer {layer.index} has no '{INPUT_NORM}' nodes: not a pre-norm decoder layer")
+    outside = {
+        arg
+        for node in norm_nodes
+        for arg in node.all_input_nodes
+        if arg not in norm_nodes and arg.op != "get_attr"
+    }
+    if len(outside) != 1:
+        names = sorted(a.name for a in outside)
+        raise ValueError(f"layer {layer.index}: expected one hidden-state input to '{INPUT_NORM}', found {names}")
+    return outside.pop()

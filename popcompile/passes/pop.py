@@ -1,0 +1,105 @@
+"""The POP pass: captured decoder graph -> prefill graph.
+
+Contract. Input: a GraphModule of the capture contract (``capture.py``): outputs
+``(logits, present.0.key, present.0.value, ...)``. Output: the same module, rewritten, whose outputs
+are the present K/V only. The decode graph is never touched: run the pass on a copy
+(``ExportedProgram.module()`` makes one).
+
+Before, layer l >= cut (every layer reads the previous layer's output)::
+
+    h_l -> input_layernorm -> q/k/v_proj -> RoPE -> attention -> o_proj -> +h_l -> post-norms, MLP -> +  -> h_{l+1}
+                                 k, v -> present.l
+    ... h_L -> norm -> lm_head -> logits
+
+After (every deep layer reads h_cut, the output of layer cut-1; dead code is gone)::
+
+    h_cut -> input_layernorm_l -> k_proj -> (k_norm) -> RoPE -> present.l.key
+                               -> v_proj ----------------------> present.l.value
+
+No q_proj, attention, o_proj, MLP or post-norm for the deep layers; no final norm and no LM head.
+Layers ``0..cut-1`` are unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .layers import INPUT_NORM, find_layers, module_path
+
+DEFAULT_PRUNE_RATIO = 1 / 3
+
+
+def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | None = None) -> int:
+    """The first pruned layer: ``cut`` as given, else ``L - floor(L * prune_ratio)`` (default 1/3).
+
+    ``cut == num_layers`` prunes nothing. Raises ValueError on out-of-range values.
+    """
+    if cut is not None and prune_ratio is not None:
+        raise ValueError("give either cut= or prune_ratio=, not both")
+    if cut is None:
+        ratio = DEFAULT_PRUNE_RATIO if prune_ratio is None else prune_ratio
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(f"prune_ratio={ratio} is out of range: use 0 <= prune_ratio < 1")
+        # The small epsilon keeps 1/3 of 30 layers at exactly 10 despite float rounding.
+        cut = num_layers - math.floor(num_layers * ratio + 1e-9)
+    if isinstance(cut, bool) or not isinstance(cut, int):
+        raise TypeError(f"cut must be an int layer index, got {cut!r}")
+    if not 1 <= cut <= num_layers:
+        raise ValueError(f"cut={cut} is out of range for a model with {num_layers} layers: use 1..{num_layers}")
+    return cut
+
+
+@dataclass(frozen=True)
+class PopResult:
+    graph_module: fx.GraphModule
+    cut: int
+    num_layers: int
+    modified: bool
+
+
+def pop_pass(gm: fx.GraphModule, cut: int) -> PopResult:
+    """Rewrite ``gm`` in place into the prefill graph (see module docstring)."""
+    layers = find_layers(gm.graph)
+    cut = resolve_cut(len(layers), cut=cut)
+    _drop_logits(gm.graph)
+    if cut < len(layers):
+        h_cut = layers[cut].input
+        for layer in layers[cut + 1:]:
+            for node in layer.nodes_in(INPUT_NORM):
+                node.replace_input_with(layer.input, h_cut)
+    _erase_metadata_asserts(gm.graph)
+    gm.graph.eliminate_dead_code(is_impure_node=_has_side_effect)
+    # Flat positional inputs and a flat tuple of outputs: the prefill graph's own interface.
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.graph.lint()
+    gm.recompile()
+    return PopResult(gm, cut, len(layers), modified=True)
+
+
+def _drop_logits(graph: fx.Graph) -> None:
+    """Remove output 0 (logits): prefill only fills the cache. Keeps the present K/V outputs."""
+    output = graph.output_node()
+    outputs = list(output.args[0])
+    assert module_path(outputs[0]).endswith("lm_head"), "capture contract: output 0 is the LM head's logits"
+    output.args = (tuple(outputs[1:]),)
+
+
+def _has_side_effect(node: fx.Node) -> bool:
+    """DCE's test. fx calls any nondeterministic op impure, so an unused SDPA (which could do dropout)
+    would survive; an ATen op is kept here only if its schema mutates an input or it is an assert."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable or node.target in _ASSERTS
+    return node.is_impure()
+
+
+_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
+
+
+def _erase_metadata_asserts(graph: fx.Graph) -> None:
+    """``_assert_tensor_metadata`` nodes are impure: left in, they keep dead layers alive past DCE."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)

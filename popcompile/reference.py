@@ -1,0 +1,173 @@
+"""POP in plain eager PyTorch: the executable specification every graph and engine is tested against.
+
+It runs the Hugging Face model itself; pruning is a forward hook that makes a deep layer return its
+input. Because every deep layer then receives ``h_cut``, its own attention module writes exactly
+POP's independent KV projection ``RoPE_l(k_norm_l(W_K^l input_norm_l(h_cut)))`` into the cache, so
+the reference shares no code with the graph pass.
+
+    prefill  x_1..x_{N-1}   layers 0..cut-1 full, deep layers: KV projection of h_cut only
+    boundary x_N            full model -> first generated token
+    decode   x_{N+1}...     full model
+
+Ablations (``Variant``): ``boundary=False`` prunes x_N too; ``kv_projection=False`` hides the
+pruned positions from the deep layers' attention (they leave no cache); ``shortgpt=True`` removes
+the deep layers in every stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+@dataclass(frozen=True)
+class Variant:
+    cut: int
+    boundary: bool = True
+    kv_projection: bool = True
+    shortgpt: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1:
+            raise ValueError(f"Variant.cut must be a layer index >= 1, got {self.cut!r}")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.get_decoder().layers
+
+
+@contextlib.contextmanager
+def bypass_layers(model: torch.nn.Module, start: int) -> Iterator[None]:
+    """Layers ``start..L-1`` return their input hidden state unchanged (their attention still runs
+    and writes K/V of that input into the cache)."""
+    def passthrough(module, args, kwargs, output):
+        return args[0] if args else kwargs["hidden_states"]
+
+    handles = [layer.register_forward_hook(passthrough, with_kwargs=True)
+               for layer in decoder_layers(model)[start:]]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def hide_positions(model: torch.nn.Module, start: int, hidden: int) -> Iterator[None]:
+    """Layers ``start..L-1`` cannot attend to cache rows ``0..hidden-1`` (they have no KV there).
+
+    Needs a materialised mask: the caller runs the model with eager attention.
+    """
+    def mask_rows(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        assert mask is not None and mask.dim() == 4, "hide_positions needs eager attention's 4D mask"
+        mask = mask.clone()
+        mask[..., :hidden] = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        return args, {**kwargs, "attention_mask": mask}
+
+    handles = [layer.self_attn.register_forward_pre_hook(mask_rows, with_kwargs=True)
+               for layer in decoder_layers(model)[start:]]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def attention(model: torch.nn.Module, name: str) -> Iterator[None]:
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+    """One forward of ``ids`` [B, T] after ``cache``; returns logits [B, T, V]."""
+    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    return model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits
+
+
+@torch.no_grad()
+def prefill_cache(model: torch.nn.Module, ids: torch.Tensor, cut: int) -> DynamicCache:
+    """The cache POP's prefill graph fills for ``ids`` [B, T] (every row pruned, no boundary step)."""
+    cache = DynamicCache()
+    with bypass_layers(model, cut):
+        _forward(model, ids, cache, 0)
+    return cache
+
+
+class _Run:
+    """The stages of one POP variant over one prompt, as context managers and forwards."""
+
+    def __init__(self, model: torch.nn.Module, variant: Variant, prompt_len: int):
+        self.model, self.variant = model, variant
+        self.pruned_rows = prompt_len if not variant.boundary else prompt_len - 1
+        self.cache = DynamicCache()
+
+    def stage(self, pruned: bool) -> contextlib.AbstractContextManager:
+        v, stack = self.variant, contextlib.ExitStack()
+        if pruned or v.shortgpt:
+            stack.enter_context(bypass_layers(self.model, v.cut))
+        elif not v.kv_projection and self.pruned_rows > 0:
+            stack.enter_context(hide_positions(self.model, v.cut, self.pruned_rows))
+        return stack
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Prompt [B, N] -> logits [B, V] predicting the first new token."""
+        rows = self.pruned_rows
+        with self.stage(pruned=True):
+            logits = _forward(self.model, prompt[:, :rows], self.cache, 0) if rows else None
+        if rows == prompt.shape[1]:
+            return logits[:, -1]
+        with self.stage(pruned=False):
+            return _forward(self.model, prompt[:, rows:], self.cache, rows)[:, -1]
+
+    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        with self.stage(pruned=False):
+            return _forward(self.model, ids, self.cache, start)
+
+
+def _eager_if_needed(model, variant: Variant) -> contextlib.AbstractContextManager:
+    return attention(model, "eager") if not variant.kv_projection else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, variant: Variant,
+    eos_token_id: int | None = None,
+) -> list[int]:
+    """Greedy generation of one prompt [1, N] under a POP variant; returns the new token ids."""
+    if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] < 2:
+        raise ValueError(f"prompt must have shape [1, N] with N >= 2, got {tuple(prompt.shape)}")
+    with _eager_if_needed(model, variant):
+        run = _Run(model, variant, prompt.shape[1])
+        logits, tokens, pos = run.prefill(prompt), [], prompt.shape[1]
+        for _ in range(max_new_tokens):
+            token = int(logits[0].argmax())
+            tokens.append(token)
+            if token == eos_token_id:
+                break
+            logits = run.step(torch.tensor([[token]]), pos)[:, -1]
+            pos += 1
+    return tokens
+
+
+@torch.no_grad()
+def continuation_logits(
+    model: torch.nn.Module, prefix: torch.Tensor, continuation: torch.Tensor, variant: Variant,
+) -> torch.Tensor:
+    """Teacher-forced: logits [B, C, V] predicting each token of ``continuation`` [B, C] after
+    ``prefix`` [B, N] was prefilled under ``variant`` (the continuation runs as decode steps)."""
+    with _eager_if_needed(model, variant):
+        run = _Run(model, variant, prefix.shape[1])
+        first = run.prefill(prefix)[:, None]
+        if continuation.shape[1] == 1:
+            return first
+        rest = run.step(continuation[:, :-1], prefix.shape[1])
+    return torch.cat([first, rest], dim=1)

@@ -1,0 +1,146 @@
+"""The POP pass on tiny exported graphs: node counts by module path, numerics against reference.py."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from popcompile import reference
+from popcompile.arch import ARCHITECTURES
+from popcompile.passes.layers import find_layers, layer_part, module_path
+from popcompile.passes.pop import pop_pass, resolve_cut
+from popcompile.pipeline import build_graphs
+from tiny import TINY, empty_past, greedy_with_graphs, run_graph, tiny_model
+
+ARCHS = sorted(ARCHITECTURES)
+# Exact equality is expected where the graph and eager HF run the same kernels on the same inputs;
+# 1e-5 absorbs reassociation in fused kernels.
+ATOL = 1e-5
+
+
+def test_every_registered_architecture_has_a_tiny_model():
+    """Coverage stays honest: an architecture added to the table needs a tiny test model."""
+    assert set(ARCHITECTURES) == set(TINY)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_pair(request):
+    model = tiny_model(request.param)
+    return model, build_graphs(model, cut=2)
+
+
+def _parts_by_layer(program) -> Counter:
+    """(layer, last path component) -> node count, for call nodes inside decoder layers."""
+    counts = Counter()
+    for node in program.graph.nodes:
+        found = layer_part(node) if node.op == "call_function" else None
+        if found:
+            counts[found[0], found[1].split(".")[-1] or "<residual>"] += 1
+    return counts
+
+
+PRUNED_PARTS = {"q_proj", "o_proj", "mlp", "gate_proj", "up_proj", "down_proj", "post_attention_layernorm",
+                "pre_feedforward_layernorm", "post_feedforward_layernorm", "q_norm", "<residual>"}
+
+
+def test_deep_layers_keep_only_the_kv_path(arch_pair):
+    model, pair = arch_pair
+    before, after = _parts_by_layer(pair.decode), _parts_by_layer(pair.prefill)
+    for layer in range(pair.num_layers):
+        kept = {part for (l, part) in after if l == layer}
+        if layer < pair.cut:
+            assert {part for (l, part) in before if l == layer} == kept, f"shallow layer {layer} changed"
+        else:
+            assert not kept & PRUNED_PARTS, f"layer {layer} still has {sorted(kept & PRUNED_PARTS)}"
+            assert {"input_layernorm", "k_proj", "v_proj"} <= kept
+    paths = {module_path(n) for n in pair.prefill.graph.nodes}
+    assert not any(p.endswith("lm_head") or p.endswith("model.norm") for p in paths)
+
+
+def test_decode_graph_matches_hf(arch_pair):
+    model, pair = arch_pair
+    prompt = torch.randint(0, 97, (2, 11))
+    logits, *_ = run_graph(pair.decode.module(), prompt, empty_past(pair.layout, 2))
+    torch.testing.assert_close(logits, model(prompt).logits[:, -1], atol=ATOL, rtol=0)
+
+
+def test_prefill_kv_matches_reference(arch_pair):
+    model, pair = arch_pair
+    prompt = torch.randint(0, 97, (1, 13))  # longer than Gemma's/Mistral's tiny sliding windows
+    kv = run_graph(pair.prefill.module(), prompt, empty_past(pair.layout))
+    cache = reference.prefill_cache(model, prompt, pair.cut)
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(kv[2 * i], layer.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(kv[2 * i + 1], layer.values, atol=ATOL, rtol=0)
+
+
+def test_prefill_on_top_of_a_filled_cache(arch_pair):
+    """A later chat turn: POP prefill with past length > 0 equals the reference on the whole text."""
+    model, pair = arch_pair
+    text = torch.randint(0, 97, (1, 14))
+    first = run_graph(pair.prefill.module(), text[:, :6], empty_past(pair.layout))
+    second = run_graph(pair.prefill.module(), text[:, 6:], list(first), start=6)
+    cache = reference.prefill_cache(model, text, pair.cut)
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(torch.cat([first[2 * i], second[2 * i]], 2), layer.keys, atol=ATOL, rtol=0)
+
+
+def test_greedy_pop_equals_reference(arch_pair):
+    model, pair = arch_pair
+    prompt = torch.randint(0, 97, (1, 10))
+    expected = reference.generate(model, prompt, 6, reference.Variant(cut=pair.cut))
+    assert greedy_with_graphs(pair, prompt, 6) == expected
+
+
+def test_decode_graph_is_never_mutated():
+    model = tiny_model("llama")
+    from popcompile.capture import capture
+    from popcompile.pipeline import prefill_graph
+
+    captured = capture(model)
+    before = [(n.op, str(n.target)) for n in captured.program.graph.nodes]
+    prefill_graph(captured, 2)
+    assert [(n.op, str(n.target)) for n in captured.program.graph.nodes] == before
+
+
+def test_cut_equal_to_layers_keeps_every_layer():
+    model = tiny_model("qwen3")
+    pair = build_graphs(model, cut=4)
+    counts = _parts_by_layer(pair.prefill)
+    assert counts[2, "o_proj"] == 1 and counts[2, "down_proj"] == 1
+    # Without logits nothing reads the last layer's output: only its K/V path is left, even at cut = L.
+    assert counts[3, "o_proj"] == 0 and counts[3, "k_proj"] == 1
+    prompt = torch.randint(0, 97, (1, 9))
+    full = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, 9:].tolist()
+    assert greedy_with_graphs(pair, prompt, 6) == full
+
+
+def test_find_layers_reads_the_norm_input_not_the_residual_cast():
+    model = tiny_model("llama")
+    gm = build_graphs(model, cut=4).decode.module()
+    layers = find_layers(gm.graph)
+    assert len(layers) == 4
+    # layer l+1 reads the residual add that closes layer l (tagged as layer l itself)
+    for prev, layer in zip(layers, layers[1:]):
+        assert layer_part(layer.input) == (prev.index, "")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"cut": 0}, "out of range"), ({"cut": 5}, "out of range"), ({"prune_ratio": 1.0}, "out of range"),
+    ({"cut": 2, "prune_ratio": 0.5}, "either"),
+])
+def test_bad_cut_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_cut(4, **kwargs)
+
+
+@pytest.mark.parametrize("layers, expected", [(30, 20), (18, 12), (32, 22), (4, 3), (1, 1)])
+def test_default_cut_prunes_the_last_third(layers, expected):
+    assert resolve_cut(layers) == expected
+
+
+def test_pass_rejects_a_graph_without_decoder_layers():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="cut=1 is out of range for a model with 0 layers"):
+        pop_pass(gm, 1)

@@ -1,0 +1,66 @@
+"""Tiny random decoders of every supported architecture, and helpers to run captured graphs."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+# model_type -> (config class, model class, extra config); every entry of arch.ARCHITECTURES needs one.
+TINY = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 5}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
+        "sliding_window": 4, "layer_types": None, "query_pre_attn_scalar": 16}),
+}
+
+
+def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, seed=0, **overrides):
+    config_cls, model_cls, extra = TINY[model_type]
+    kwargs = dict(
+        vocab_size=97, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    if model_type == "gemma3_text" and kwargs.get("layer_types") is None:
+        # alternate local (sliding) and global layers, as Gemma 3 does (5:1 there)
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval()
+    # random init leaves norms at 1 and can make deep layers near no-ops: perturb every weight
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+def empty_past(layout, batch=1):
+    return [torch.zeros(batch, layout.num_kv_heads, 0, layout.head_dim) for _ in range(2 * layout.num_layers)]
+
+
+def run_graph(module, ids, past, start=0):
+    """Run a captured/prefill graph on ids [B, T] after `past` rows; returns the flat outputs."""
+    batch, seq = ids.shape
+    pos = torch.arange(start, start + seq).repeat(batch, 1)
+    mask = torch.ones(batch, start + seq, dtype=torch.int64)
+    return module(ids, pos, mask, *past)
+
+
+def greedy_with_graphs(pair, prompt, max_new_tokens):
+    """POP generation with the two graphs: prefill x_1..x_{N-1}, then x_N and decode with the decode graph."""
+    prefill, decode = pair.prefill.module(), pair.decode.module()
+    n = prompt.shape[1]
+    present = run_graph(prefill, prompt[:, : n - 1], empty_past(pair.layout))
+    past = list(present)
+    ids, start, tokens = prompt[:, n - 1:], n - 1, []
+    for _ in range(max_new_tokens):
+        logits, *new = run_graph(decode, ids, past, start)
+        past = [torch.cat([p, q], dim=2) for p, q in zip(past, new)]
+        start += ids.shape[1]
+        tokens.append(int(logits[0].argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens
