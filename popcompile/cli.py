@@ -1,0 +1,179 @@
+"""The ``popcompile`` command: export | run | info.
+
+Errors a user can fix exit with code 2 and one line naming the problem and the fix (no traceback).
+Heavy imports (torch, transformers) happen inside the commands that need them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
+
+
+class CliError(Exception):
+    """A bad invocation: printed as one line, exit code 2."""
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="capture a model, apply POP and write an engine folder",
+                       description="Capture MODEL, derive the POP prefill graph and write both graphs, "
+                                   "the manifest and the tokenizer into --out.")
+    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder or a "
+                                 "HF id already in the local cache")
+    p.add_argument("--out", required=True, type=Path, help="engine folder to create (must not exist)")
+    cut = p.add_mutually_exclusive_group()
+    cut.add_argument("--cut", type=int, help="first pruned layer (1..L; L prunes nothing)")
+    cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "
+                                                      "(default 1/3: cut = L - floor(L/3))")
+    p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
+    p.add_argument("--target", choices=["onnx"], default="onnx", help="engine format (default onnx)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
+    p.set_defaults(handler=cmd_export)
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate text with an engine folder",
+                       description="Generate with POP (prefill graph on x_1..x_{N-1}, decode graph from x_N) "
+                                   "or, with --full, the decode graph alone.")
+    p.add_argument("engine", type=Path, help="engine folder written by `popcompile export`")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help=DEFAULT_PROMPT_NOTE)
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless a sampling option is given)")
+    p.add_argument("--temperature", type=float, help="sample with this temperature")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set with this total probability")
+    p.add_argument("--seed", type=int, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
+    p.add_argument("--full", action="store_true", help="no pruning: prefill with the decode graph (for comparison)")
+    p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
+    p.set_defaults(handler=cmd_run)
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="describe an engine folder")
+    p.add_argument("engine", type=Path, help="engine folder")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(handler=cmd_info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="popcompile", description=(
+        "Prefill-Only Pruning compiler: export a decoder LLM as a pruned prefill graph and its untouched "
+        "decode graph sharing one KV layout, and run them."))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_export, _add_run, _add_info):
+        add(sub)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """The CLI shows its own progress: silence the libraries' bars and notices (not their errors)."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+
+def cmd_export(args) -> None:
+    from tqdm import tqdm
+
+    from .exporters.onnx import export
+
+    _quiet_libraries()
+
+    steps = ["load", "capture + POP pass", "export decode graph", "export prefill graph", "write engine folder"]
+    with tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
+        def progress(name: str) -> None:
+            if bar.n or name != steps[0]:
+                bar.update(1)
+            bar.set_description(name)
+
+        manifest = export(args.model, args.out, cut=args.cut, prune_ratio=args.prune_ratio,
+                          max_seq=args.max_seq, force=args.force, progress=progress)
+        bar.update(bar.total - bar.n)
+    if args.json:
+        print(manifest.to_json())
+        return
+    print(_summary(args.out, manifest))
+
+
+def _summary(folder: Path, manifest) -> str:
+    size = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
+    layout = manifest.kv_layout
+    return (f"{folder}: {manifest.model['name']} ({manifest.model['model_type']}), {manifest.num_layers} layers, "
+            f"cut {manifest.cut} (layers {manifest.cut}..{manifest.num_layers - 1} pruned in prefill)\n"
+            f"KV layout: {layout.num_layers} x [batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
+            f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)")
+
+
+def _sampling(args):
+    from .runtime.generate import SamplingConfig
+
+    sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
+    if args.greedy and sampled:
+        raise CliError("--greedy cannot be combined with --temperature/--top-k/--top-p: choose one")
+    return SamplingConfig(
+        greedy=not sampled, temperature=args.temperature or 1.0, top_k=args.top_k or 0,
+        top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+
+
+def cmd_run(args) -> None:
+    from .runtime.ort import PopSession
+
+    prompt = args.prompt if args.prompt is not None else _read(args.prompt_file)
+    sampling = _sampling(args)
+    session = PopSession(args.engine, provider=args.provider, threads=args.threads)
+    stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+    result = session.generate(prompt, sampling, mode="full" if args.full else "pop", chat=args.chat,
+                              on_text=stream)[0]
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return
+    print(f"\n\n[{result.mode}] TTFT {result.ttft_s * 1000:.1f} ms | prefill {result.prefill_tokens_per_s:.0f} tok/s "
+          f"({len(result.prompt_token_ids)} tokens) | decode {result.decode_tokens_per_s:.1f} tok/s "
+          f"({len(result.token_ids)} tokens, {result.finish_reason})", file=sys.stderr)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise CliError(f"cannot read --prompt-file {path}: {err.strerror}") from None
+
+
+def cmd_info(args) -> None:
+    from .exporters.manifest import EngineManifest
+
+    manifest = EngineManifest.read(args.engine)
+    print(manifest.to_json() if args.json else _summary(args.engine, manifest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except (CliError, ValueError, FileNotFoundError) as err:  # EngineError is a ValueError
+        print(f"popcompile {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Export both graphs to an ONNX engine folder that shares one weights file and one KV layout.
+
+    engines/NAME/
+      popcompile.json           manifest (exporters/manifest.py)
+      prefill.onnx, decode.onnx graphs; every initializer is external data in weights.bin
+      weights.bin               each distinct tensor once: the graphs share it
+      tokenizer.json, tokenizer_config.json, generation_config.json, ...
+
+The folder is written next to its destination under a temporary name and renamed into place only
+when complete, so a failed export leaves nothing behind and never replaces a good folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import io
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import onnx
+import torch
+
+from ..models import LoadedModel, load_model
+from ..pipeline import GraphPair, build_graphs
+from .manifest import EngineError, EngineManifest, GraphEntry
+
+OPSET = 20
+WEIGHTS = "weights.bin"
+_ALIGN = 64
+# Small constants (shapes, axes) stay inside the graph: shape inference and parsers read them there.
+_INLINE_BYTES = 1024
+
+
+def export(
+    model: str | LoadedModel, out_dir: str | Path, *, cut: int | None = None,
+    prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> EngineManifest:
+    """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``."""
+    out_dir = Path(out_dir)
+    _check_destination(out_dir, force)
+    step = progress or (lambda name: None)
+    step("load")
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    step("capture + POP pass")
+    pair = build_graphs(loaded.model, cut=cut, prune_ratio=prune_ratio, max_seq=max_seq)
+    with _staging(out_dir, force) as tmp:
+        step("export decode graph")
+        decode = to_onnx(pair.decode, pair, with_logits=True)
+        step("export prefill graph")
+        prefill = to_onnx(pair.prefill, pair, with_logits=False)
+        step("write engine folder")
+        weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
+        for name in ("decode.onnx", "prefill.onnx"):
+            onnx.checker.check_model(str(tmp / name))
+        loaded.tokenizer.save_pretrained(tmp)
+        loaded.model.generation_config.save_pretrained(tmp)
+        manifest = _manifest(tmp, loaded, pair, weights_bytes)
+        manifest.write(tmp)
+    return manifest
+
+
+def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
+    """One graph to ONNX with the KV layout's names and canonical dynamic dimension names."""
+    layout = pair.layout
+    inputs = ["input_ids", "position_ids", "attention_mask", *layout.past_names]
+    outputs = (["logits"] if with_logits else []) + layout.present_names
+    with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
+        onnx_program = torch.onnx.export(
+            program, (), dynamo=True, input_names=inputs, output_names=outputs,
+            opset_version=OPSET, optimize=True, verify=False, report=False,
+        )
+    proto = onnx_program.model_proto
+    canonical_dims(proto)
+    return proto
+
+
+def canonical_dims(proto: onnx.ModelProto) -> None:
+    """Rename the exporter's symbols (s10, s15 + s70, ...) to batch/seq/past/total, the same in every graph."""
+    roles = {"input_ids": ("batch", "seq"), "attention_mask": ("batch", "total")}
+    names: dict[str, str] = {}
+    for value in proto.graph.input:
+        wanted = roles.get(value.name) or (("batch", None, "past", None) if value.name.startswith("past_") else ())
+        for dim, name in zip(value.type.tensor_type.shape.dim, wanted):
+            if name and dim.dim_param:
+                names.setdefault(dim.dim_param, name)
+    for value in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
+
+
+def write_shared(folder: Path, graphs: dict[str, onnx.ModelProto]) -> int:
+    """Move every initializer of every graph into one weights file, each distinct tensor once."""
+    offsets: dict[bytes, tuple[int, int]] = {}
+    with open(folder / WEIGHTS, "wb") as blob:
+        for name, proto in graphs.items():
+            for tensor in proto.graph.initializer:
+                if _nbytes(tensor) >= _INLINE_BYTES:
+                    _externalize(tensor, blob, offsets)
+            onnx.save_model(proto, str(folder / name))
+        return blob.tell()
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int, int]]) -> None:
+    raw = onnx.numpy_helper.to_array(tensor).tobytes()
+    key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
+    if key not in offsets:
+        blob.write(b"\0" * (-blob.tell() % _ALIGN))
+        offsets[key] = (blob.tell(), len(raw))
+        blob.write(raw)
+    offset, length = offsets[key]
+    onnx.external_data_helper.set_external_data(tensor, WEIGHTS, offset=offset, length=length)
+    tensor.ClearField("raw_data")
+    for field in ("float_data", "int32_data", "int64_data", "double_data"):
+        tensor.ClearField(field)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int) -> EngineManifest:
+    graphs = {}
+    for name in ("prefill", "decode"):
+        path = folder / f"{name}.onnx"
+        proto = onnx.load(str(path), load_external_data=False)
+        graphs[name] = GraphEntry(
+            file=path.name, inputs=tuple(v.name for v in proto.graph.input),
+            outputs=tuple(v.name for v in proto.graph.output), bytes=path.stat().st_size,
+            sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    eos = loaded.model.generation_config.eos_token_id
+    source = loaded.source
+    return EngineManifest(
+        model={"name": source.name, "kind": source.kind, "path": source.path, "sha256": source.sha256,
+               "model_type": loaded.model.config.model_type},
+        num_layers=pair.num_layers, cut=pair.cut, kv_layout=pair.layout, graphs=graphs,
+        weights={"file": WEIGHTS, "bytes": weights_bytes}, dtype=pair.layout.dtype,
+        versions=_versions(), eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+    )
+
+
+def _versions() -> dict[str, str]:
+    names = ("popcompile", "torch", "transformers", "onnx", "onnxscript")
+    return {name: importlib.metadata.version(name) for name in names}
+
+
+def _check_destination(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not force:
+        raise EngineError(f"{out_dir} already exists: choose another --out or pass --force to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EngineError(f"{out_dir} exists and is not a folder: choose another --out")
+
+
+@contextlib.contextmanager
+def _staging(out_dir: Path, force: bool) -> Iterator[Path]:
+    """A temporary sibling folder, renamed to ``out_dir`` only if the body completes."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; an engine folder is meant to be shared
+    try:
+        yield tmp
+        if out_dir.exists() and force:
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

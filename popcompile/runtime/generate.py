@@ -1,0 +1,204 @@
+"""Token sampling and stop conditions shared by the runtimes (numpy only).
+
+``Sampler`` turns one decode step's logits ``[B, V]`` into next-token ids ``[B]``;
+``StopChecker`` tracks which batch rows have finished (eos token or stop string).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SamplingConfig", "Sampler", "StopChecker"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How next tokens are chosen and when generation stops.
+
+    ``greedy`` takes the argmax and ignores temperature/top_k/top_p.  Otherwise the
+    logits are divided by ``temperature``, cut to the ``top_k`` best (0 = off), cut to
+    the nucleus of probability ``top_p`` (1 = off) and sampled with ``seed``.
+    """
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+class Sampler:
+    """Choose next tokens from logits according to a ``SamplingConfig``.
+
+    Owns a ``numpy.random.Generator`` seeded from ``config.seed``, so a given seed
+    and sequence of logits always yields the same tokens.
+    """
+
+    def __init__(self, config: SamplingConfig) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """logits ``[B, V]`` (any float dtype) -> token ids ``[B]`` int64."""
+        x = np.asarray(logits, dtype=np.float64)
+        if x.ndim != 2:
+            raise ValueError(f"logits must have shape [batch, vocab], got {x.shape}")
+        if np.isnan(x).any():
+            raise ValueError("logits contain NaN")
+        if self.config.greedy:
+            return np.argmax(x, axis=-1).astype(np.int64)
+        probs = self.probabilities(x)
+        return sample_from(probs, self.rng)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """logits ``[B, V]`` -> the float64 distribution ``[B, V]`` sampling draws from."""
+        cfg = self.config
+        x = np.asarray(logits, dtype=np.float64) / cfg.temperature
+        if cfg.top_k:
+            x = top_k_filter(x, cfg.top_k)
+        probs = softmax(x)
+        if cfg.top_p < 1.0:
+            probs = top_p_filter(probs, cfg.top_p)
+        return probs
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """``[B, V]`` -> row-wise softmax ``[B, V]`` float64; -inf entries get probability 0."""
+    x = np.asarray(x, dtype=np.float64)
+    peak = x.max(axis=-1, keepdims=True)
+    if not np.isfinite(peak).all():
+        raise ValueError("every row of logits needs at least one finite value")
+    e = np.exp(x - peak)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_k_filter(x: np.ndarray, k: int) -> np.ndarray:
+    """``[B, V]`` logits -> copy with everything below the k-th largest set to -inf.
+
+    Ties with the k-th value are kept (like transformers' TopKLogitsWarper).
+    """
+    vocab = x.shape[-1]
+    if k >= vocab:
+        return x
+    kth = np.partition(x, vocab - k, axis=-1)[:, vocab - k : vocab - k + 1]  # [B, 1]
+    return np.where(x < kth, -np.inf, x)
+
+
+_TOP_P_SLACK = 1e-9
+
+
+def top_p_filter(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """``[B, V]`` probabilities -> renormalized nucleus ``[B, V]``.
+
+    Keeps the smallest set of most likely tokens whose cumulative probability
+    reaches ``top_p``, and always at least the most likely token.  Cumulative sums
+    within ``_TOP_P_SLACK`` of ``top_p`` count as reaching it, so float rounding
+    (0.5 + 0.3 summing to 0.79999...) does not add a token.
+    """
+    order = np.argsort(-probs, axis=-1, kind="stable")  # [B, V] most likely first
+    ranked = np.take_along_axis(probs, order, axis=-1)
+    before = np.cumsum(ranked, axis=-1) - ranked  # mass of the better-ranked tokens
+    keep_ranked = before < top_p - _TOP_P_SLACK
+    keep_ranked[:, 0] = True
+    keep = np.zeros_like(keep_ranked)
+    np.put_along_axis(keep, order, keep_ranked, axis=-1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``[B, V]`` probabilities -> one draw per row ``[B]`` int64 (inverse CDF).
+
+    Tokens of probability 0 are never drawn.
+    """
+    cdf = np.cumsum(probs, axis=-1)  # [B, V]
+    u = rng.random(probs.shape[0]) * cdf[:, -1]  # [B], scaled in case of rounding
+    ids = (cdf > u[:, None]).argmax(axis=-1)
+    return ids.astype(np.int64)
+
+
+class StopChecker:
+    """Track which batch rows have finished generating.
+
+    A row finishes when it produces one of ``eos_token_ids`` or when its generated
+    text contains one of the ``stop`` strings.  ``finish_reasons[row]`` is then
+    ``"eos"`` or ``"stop"`` (None while the row is running).
+    """
+
+    def __init__(
+        self, eos_token_ids: Iterable[int], stop: Sequence[str] = (), batch_size: int = 1
+    ) -> None:
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.stop = tuple(stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+        self.finish_reasons: list[str | None] = [None] * batch_size
+
+    @property
+    def finished(self) -> list[bool]:
+        """Per row: has it finished."""
+        return [reason is not None for reason in self.finish_reasons]
+
+    @property
+    def all_finished(self) -> bool:
+        """Whether every row has finished."""
+        return all(self.finished)
+
+    def update(self, row: int, token_id: int, text_so_far: str) -> bool:
+        """Record ``row``'s new token and its generated text so far; return whether it finished.
+
+        Rows that already finished stay finished with their first reason.
+        """
+        if self.finish_reasons[row] is None:
+            if int(token_id) in self.eos_token_ids:
+                self.finish_reasons[row] = "eos"
+            elif self.find_stop(text_so_far) >= 0:
+                self.finish_reasons[row] = "stop"
+        return self.finish_reasons[row] is not None
+
+    def find_stop(self, text: str) -> int:
+        """Index of the earliest stop string in ``text``, or -1."""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(hits, default=-1)
+
+    def trim(self, text: str) -> str:
+        """``text`` cut just before its first stop string (unchanged if none occurs)."""
+        at = self.find_stop(text)
+        return text if at < 0 else text[:at]
+
+    def printable(self, text: str) -> str:
+        """The part of ``text`` safe to stream now.
+
+        That is ``trim(text)`` less any tail that could be the start of a stop string.
+        """
+        text = self.trim(text)
+        for cut in range(max((len(s) for s in self.stop), default=1) - 1, 0, -1):
+            tail = text[-cut:] if cut <= len(text) else None
+            if tail is not None and any(s.startswith(tail) for s in self.stop):
+                return text[:-cut]
+        return text

@@ -1,0 +1,134 @@
+"""The generation loop shared by every runtime backend (numpy only).
+
+A backend supplies ``run(graph, feeds) -> outputs`` for graph "prefill" or "decode"; the loop owns
+padding, positions, the KV buffer, sampling, stopping and timing::
+
+    pop:   prefill graph on x_1..x_{N-1}  ->  decode graph on x_N (boundary)  ->  decode graph per token
+    full:  decode graph on x_1..x_N                                          ->  decode graph per token
+
+Prompts of different lengths are left-padded, so x_N of every row sits in the last column.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .generate import Sampler, SamplingConfig, StopChecker
+from .kvbuffer import KVBuffer
+from .tokenizer import EngineTokenizer, StreamDecoder
+
+RunGraph = Callable[[str, dict[str, np.ndarray]], list[np.ndarray]]
+MODES = ("pop", "full")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str          # "eos" | "stop" | "length"
+    mode: str
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> ids [B, N] and mask [B, N] (int64), padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+class Generation:
+    """One batch of prompts through the two graphs; ``run()`` returns one result per prompt."""
+
+    def __init__(self, run_graph: RunGraph, buffer: KVBuffer, tokenizer: EngineTokenizer,
+                 sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.run_graph, self.buffer, self.tokenizer = run_graph, buffer, tokenizer
+        self.sampling, self.mode, self.on_text = sampling, mode, on_text
+        self.sampler = Sampler(sampling)
+        self.streamed = 0  # characters of row 0 already given to on_text
+
+    def _step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """Run one graph on ids [B, T]; store the new K/V rows; return logits [B, V] (decode only)."""
+        batch = ids.shape[0]
+        feeds = {"input_ids": ids, "position_ids": positions,
+                 "attention_mask": self.buffer.attention_mask(batch, mask)}
+        names = self.buffer.layout.past_names
+        feeds.update(zip(names, self.buffer.past(batch)))
+        outputs = self.run_graph(graph, feeds)
+        logits = outputs[0] if graph == "decode" else None
+        self.buffer.write(outputs[1:] if graph == "decode" else outputs, mask)
+        return logits
+
+    def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        split = ids.shape[1] - 1 if self.mode == "pop" else 0
+        if split > 0:
+            self._step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])
+        return self._step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
+
+    def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids, mask = left_pad(prompts, pad)
+        self.buffer.reset()
+        start = time.perf_counter()
+        first = self.sampler(self._prefill(ids, mask))
+        ttft = time.perf_counter() - start
+        generated, reasons, steps = self._decode(first, mask.sum(axis=1))
+        decode_s = time.perf_counter() - start - ttft
+        texts = [self.stop.trim(self.tokenizer.decode(tokens)) for tokens in generated]
+        if self.on_text is not None:
+            self.on_text(texts[0][self.streamed:])
+        return [GenerationResult(
+            text=text, prompt_token_ids=list(prompt), token_ids=tokens, finish_reason=reason, mode=self.mode,
+            ttft_s=ttft, prefill_tokens_per_s=sum(map(len, prompts)) / ttft,
+            decode_tokens_per_s=steps * len(prompts) / decode_s if steps else 0.0,
+        ) for prompt, tokens, text, reason in zip(prompts, generated, texts, reasons)]
+
+    def _decode(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[list[list[int]], list[str], int]:
+        """From the first sampled tokens [B], run decode steps until every row stopped.
+
+        Returns each row's generated ids (up to and including its eos), finish reasons and the
+        number of decode steps run."""
+        batch = tokens.shape[0]
+        self.stop = StopChecker(self.tokenizer.eos_token_ids, self.sampling.stop, batch)
+        streams = [StreamDecoder(self.tokenizer) for _ in range(batch)]
+        generated: list[list[int]] = [[] for _ in range(batch)]
+        positions, steps = lengths.astype(np.int64), 0
+        while True:
+            for row in range(batch):
+                if not self.stop.finished[row]:
+                    generated[row].append(int(tokens[row]))
+                    streams[row].push(int(tokens[row]))
+                    self.stop.update(row, int(tokens[row]), streams[row].text)
+            self._stream(streams[0])
+            full = self.buffer.length >= self.buffer.layout.max_seq
+            if self.stop.all_finished or steps + 1 >= self.sampling.max_new_tokens or full:
+                return generated, [r or "length" for r in self.stop.finish_reasons], steps
+            logits = self._step("decode", tokens[:, None].astype(np.int64), positions[:, None],
+                                np.ones((batch, 1), np.int64))
+            positions, steps = positions + 1, steps + 1
+            tokens = self.sampler(logits)
+
+    def _stream(self, stream: StreamDecoder) -> None:
+        """Hand row 0's new printable text to ``on_text`` (never text that may start a stop string)."""
+        if self.on_text is None:
+            return
+        text = self.stop.printable(stream.text).rstrip("\ufffd")
+        if len(text) > self.streamed:
+            self.on_text(text[self.streamed:])
+            self.streamed = len(text)

@@ -1,0 +1,125 @@
+"""PopSession: an engine folder run with ONNX Runtime (CPU by default, CUDA or TensorRT providers).
+
+No torch import: a deployment needs onnxruntime, numpy, tokenizers and jinja2.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from ..exporters.manifest import EngineError, EngineManifest
+from .generate import SamplingConfig
+from .kvbuffer import KVBuffer
+from .loop import Generation, GenerationResult
+from .tokenizer import EngineTokenizer
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+
+
+def provider_list(provider: str) -> list[str]:
+    """ORT providers for a short name, with CPU as the fallback for unsupported nodes."""
+    if provider not in PROVIDERS:
+        raise EngineError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    name = PROVIDERS[provider]
+    if name not in ort.get_available_providers():
+        raise EngineError(
+            f"provider {provider!r} ({name}) is not available in this onnxruntime build "
+            f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu for cuda/tensorrt")
+    return [name] if name == PROVIDERS["cpu"] else [name, PROVIDERS["cpu"]]
+
+
+def verify_folder(folder: Path, manifest: EngineManifest, *, hashes: bool = True) -> None:
+    """Files present with the manifest's sizes (and hashes for the graphs)."""
+    for entry in manifest.graphs.values():
+        path = folder / entry.file
+        if not path.is_file():
+            raise EngineError(f"{folder}: {entry.file} is missing: the engine folder is incomplete, re-export it")
+        if path.stat().st_size != entry.bytes or (
+                hashes and hashlib.sha256(path.read_bytes()).hexdigest() != entry.sha256):
+            raise EngineError(f"{folder}: {entry.file} does not match the manifest (changed or corrupt): re-export")
+    weights = folder / manifest.weights["file"]
+    if not weights.is_file() or weights.stat().st_size != manifest.weights["bytes"]:
+        raise EngineError(f"{folder}: {manifest.weights['file']} is missing or truncated: re-export the engine")
+
+
+def signature(session: ort.InferenceSession, names) -> list[tuple]:
+    by_name = {arg.name: arg for arg in session.get_inputs()}
+    return [(n, by_name[n].type, tuple(by_name[n].shape)) for n in names if n in by_name]
+
+
+class PopSession:
+    """Load an engine folder once; ``generate`` many times. The KV buffer is allocated once per
+    session (and again only for a larger batch than any before)."""
+
+    def __init__(self, folder: str | Path, *, provider: str = "cpu", threads: int | None = None):
+        self.folder = Path(folder)
+        self.manifest = EngineManifest.read(self.folder)
+        self.layout = self.manifest.kv_layout
+        verify_folder(self.folder, self.manifest)
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        providers = provider_list(provider)
+        self.sessions = {
+            name: ort.InferenceSession(str(self.folder / entry.file), options, providers=providers)
+            for name, entry in self.manifest.graphs.items()
+        }
+        self._check_signatures()
+        self.tokenizer = EngineTokenizer.from_folder(self.folder)
+        self.buffer: KVBuffer | None = None
+        self.allocations = 0
+
+    def _check_signatures(self) -> None:
+        inputs = list(self.manifest.expected_inputs())
+        for name, session in self.sessions.items():
+            got_in = [a.name for a in session.get_inputs()]
+            got_out = [a.name for a in session.get_outputs()]
+            if got_in != inputs or got_out != list(self.manifest.expected_outputs(name)):
+                raise EngineError(f"{self.folder}: {name} graph's inputs/outputs differ from the manifest: re-export")
+        kv = self.layout.past_names
+        if signature(self.sessions["prefill"], kv) != signature(self.sessions["decode"], kv):
+            raise EngineError(f"{self.folder}: prefill and decode graphs declare different KV inputs: re-export")
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.sessions[graph].run(None, feeds)
+
+    def _buffer(self, batch: int) -> KVBuffer:
+        if self.buffer is None or self.buffer.batch < batch:
+            self.buffer = KVBuffer(self.layout, batch)
+            self.allocations += 1
+        return self.buffer
+
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
+        if not prompt:
+            raise ValueError("the prompt is empty: give some text")
+        use_chat = self.tokenizer.has_chat_template if chat is None else chat
+        if use_chat and not self.tokenizer.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template: run without --chat")
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else prompt
+        return self.tokenizer.encode(text)
+
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
+        mode: str = "pop", chat: bool | None = None, on_text: Callable[[str], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (text, or token id lists used as they are)."""
+        sampling = sampling or SamplingConfig()
+        batch = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [p if isinstance(p, list) else self.encode(p, chat) for p in batch]
+        for prompt in ids:
+            if not prompt:
+                raise ValueError("a prompt has no tokens: give some text")
+            if len(prompt) >= self.layout.max_seq:
+                raise ValueError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
+                                 f"{self.layout.max_seq}: shorten it or re-export with a larger --max-seq")
+        generation = Generation(self._run, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text)
+        return generation.run(ids)

@@ -1,0 +1,186 @@
+"""ONNX engine folders on the real models: numerics, the CLI end to end, the KV contract, bad input."""
+from __future__ import annotations
+
+import inspect
+import json
+import json.decoder
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from popcompile import reference
+from popcompile.exporters.manifest import MANIFEST, EngineError, EngineManifest
+from popcompile.exporters.onnx import export
+from popcompile.models import load_model
+from popcompile.runtime.generate import SamplingConfig
+from popcompile.runtime.ort import PopSession
+from tiny import empty_past, run_graph
+
+ONNX_ATOL = 1e-4  # fp32 ORT vs eager torch logits: different kernels, same math
+# K/V are compared relative to their size: Gemma 3's values reach ~100, where 1e-4 absolute is below
+# fp32's resolution after a different summation order.
+KV_RTOL = KV_ATOL = 1e-4
+MAX_SEQ = 512
+PROMPT = inspect.getsource(json.decoder)[:1200]  # real text, a few hundred tokens
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "popcompile.cli", *args], capture_output=True, text=True)
+    if check:
+        assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def smol_engine(tmp_path_factory) -> Path:
+    """Exported once through the CLI (itself the end-to-end test of `popcompile export`)."""
+    out = tmp_path_factory.mktemp("engines") / "smollm2"
+    cli("export", "smollm2-135m", "--out", str(out), "--max-seq", str(MAX_SEQ))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma_engine(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "gemma3"
+    export("gemma3-270m", out, max_seq=MAX_SEQ)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model("smollm2-135m")
+
+
+def _ids(folder: Path, text: str = PROMPT) -> list[int]:
+    return PopSession(folder).tokenizer.encode(text)[:300]
+
+
+@pytest.mark.parametrize("which", ["smol_engine", "gemma_engine"])
+def test_decode_logits_and_prefill_kv_match_torch(which, request):
+    folder = request.getfixturevalue(which)
+    manifest = EngineManifest.read(folder)
+    loaded = load_model(manifest.model["name"])
+    session = PopSession(folder)
+    ids = np.array([_ids(folder)], dtype=np.int64)
+    n = ids.shape[1]
+    past = [t.numpy() for t in empty_past(manifest.kv_layout)]
+    feeds = {"input_ids": ids, "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64),
+             **dict(zip(manifest.kv_layout.past_names, past))}
+    logits = session.sessions["decode"].run(None, feeds)[0]
+    with torch.no_grad():
+        expected = loaded.model(torch.from_numpy(ids)).logits[:, -1].numpy()
+        pop_cache = reference.prefill_cache(loaded.model, torch.from_numpy(ids), manifest.cut)
+    assert np.abs(logits - expected).max() <= ONNX_ATOL
+    kv = session.sessions["prefill"].run(None, feeds)
+    for i, layer in enumerate(pop_cache.layers):
+        np.testing.assert_allclose(kv[2 * i], layer.keys.numpy(), rtol=KV_RTOL, atol=KV_ATOL, err_msg=f"K {i}")
+        np.testing.assert_allclose(kv[2 * i + 1], layer.values.numpy(), rtol=KV_RTOL, atol=KV_ATOL, err_msg=f"V {i}")
+
+
+def test_cli_run_equals_eager_pop_reference(smol_engine, smol):
+    out = json.loads(cli("run", str(smol_engine), "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "24",
+                         "--json").stdout)
+    assert out["mode"] == "pop" and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+    prompt = torch.tensor([out["prompt_token_ids"]])
+    manifest = EngineManifest.read(smol_engine)
+    expected = reference.generate(smol.model, prompt, 24, reference.Variant(cut=manifest.cut), eos_token_id=2)
+    assert out["token_ids"] == expected
+
+
+def test_cli_full_mode_equals_hf_generate(smol_engine, smol):
+    out = json.loads(cli("run", str(smol_engine), "--prompt", "Name three colors.", "--max-new-tokens", "16",
+                         "--full", "--json").stdout)
+    prompt = torch.tensor([out["prompt_token_ids"]])
+    expected = smol.model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert out["mode"] == "full" and out["token_ids"] == expected
+
+
+def test_batch_of_different_lengths_equals_single_prompts(smol_engine):
+    session = PopSession(smol_engine)
+    prompts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog because"]
+    sampling = SamplingConfig(max_new_tokens=10)
+    batched = session.generate(prompts, sampling, chat=False)
+    single = [session.generate(p, sampling, chat=False)[0] for p in prompts]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+
+
+def test_kv_buffer_allocated_once_and_signatures_equal(smol_engine):
+    session = PopSession(smol_engine)
+    for prompt in ("one", "a longer second prompt", "third"):
+        session.generate(prompt, SamplingConfig(max_new_tokens=3))
+    assert session.allocations == 1
+    graphs = {name: onnx.load(str(smol_engine / f"{name}.onnx"), load_external_data=False)
+              for name in ("prefill", "decode")}
+    kv = {name: [(v.name, str(v.type)) for v in g.graph.input if v.name.startswith("past_")]
+          for name, g in graphs.items()}
+    assert kv["prefill"] == kv["decode"] and len(kv["decode"]) == 2 * EngineManifest.read(smol_engine).num_layers
+    assert "dim_param: \"past\"" in kv["decode"][0][1]
+
+
+def test_weights_are_stored_once(smol_engine):
+    manifest = EngineManifest.read(smol_engine)
+    params = sum(p.numel() for p in load_model("smollm2-135m").model.parameters()) * 4
+    assert manifest.weights["bytes"] <= params * 1.02  # one copy (tied embedding counted once)
+
+
+def _copy(engine: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "engine"
+    target.mkdir()
+    for item in engine.iterdir():
+        (target / item.name).symlink_to(item)
+    (target / MANIFEST).unlink()
+    shutil.copy(engine / MANIFEST, target / MANIFEST)
+    return target
+
+
+def _error(*args: str) -> str:
+    result = cli(*args, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    return result.stderr
+
+
+def test_bad_engine_folders(smol_engine, tmp_path):
+    assert "does not exist" in _error("run", str(tmp_path / "nope"), "--prompt", "hi")
+    assert "not a popcompile engine folder" in _error("run", str(tmp_path), "--prompt", "hi")
+    engine = _copy(smol_engine, tmp_path)
+    data = json.loads((engine / MANIFEST).read_text())
+    (engine / MANIFEST).write_text(json.dumps({**data, "format_version": 99}))
+    assert "format version 99" in _error("run", str(engine), "--prompt", "hi")
+    (engine / MANIFEST).write_text("{ not json")
+    assert "corrupt" in _error("info", str(engine))
+    (engine / MANIFEST).write_text(json.dumps(data))
+    (engine / "prefill.onnx").unlink()
+    assert "prefill.onnx is missing" in _error("run", str(engine), "--prompt", "hi")
+
+
+def test_bad_run_input(smol_engine):
+    assert "empty" in _error("run", str(smol_engine), "--prompt", "")
+    assert "max length" in _error("run", str(smol_engine), "--prompt", "word " * (MAX_SEQ + 10), "--no-chat")
+    assert "unknown provider" in _error("run", str(smol_engine), "--prompt", "hi", "--provider", "tpu")
+    assert "--greedy" in _error("run", str(smol_engine), "--prompt", "hi", "--greedy", "--temperature", "0.7")
+
+
+def test_export_never_overwrites_or_leaves_half_folders(smol_engine, tmp_path):
+    before = sorted(p.name for p in smol_engine.iterdir())
+    assert "already exists" in _error("export", "smollm2-135m", "--out", str(smol_engine))
+    assert sorted(p.name for p in smol_engine.iterdir()) == before
+    assert "out of range" in _error("export", "smollm2-135m", "--out", str(tmp_path / "x"), "--cut", "31")
+    assert "not-a-model" in _error("export", "not-a-model", "--out", str(tmp_path / "y"))
+    assert not list(tmp_path.iterdir())  # no partial folders
+
+
+def test_info_json(smol_engine):
+    data = json.loads(cli("info", str(smol_engine), "--json").stdout)
+    assert data["cut"] == 20 and data["kv_layout"]["max_seq"] == MAX_SEQ
+
+
+def test_runtime_imports_no_torch():
+    code = "import sys, popcompile.runtime.ort, popcompile.cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
