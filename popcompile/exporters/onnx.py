@@ -4,7 +4,7 @@
       popcompile.json           manifest (exporters/manifest.py)
       prefill.onnx, decode.onnx graphs; every initializer is external data in weights.bin
       weights.bin               each distinct tensor once: the graphs share it
-      tokenizer.json, tokenizer_config.json, generation_config.json, ...
+      tokenizer.json, tokenizer_config.json, generation_config.json, config.json (the HF config)
 
 The folder is written next to its destination under a temporary name and renamed into place only
 when complete, so a failed export leaves nothing behind and never replaces a good folder.
@@ -58,6 +58,7 @@ def export(
             onnx.checker.check_model(str(tmp / name))
         loaded.tokenizer.save_pretrained(tmp)
         loaded.model.generation_config.save_pretrained(tmp)
+        loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
         manifest = _manifest(tmp, loaded, pair, weights_bytes)
         manifest.write(tmp)
     return manifest
