@@ -126,9 +126,8 @@ class CapturedModel:
 
 
 @contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+def use_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Run the model with another registered attention function, restoring the user's choice after."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
@@ -165,7 +164,9 @@ def capture(model: torch.nn.Module, max_seq: int | None = None) -> CapturedModel
     wrapper = DecoderWithKV(model, spec).eval()
     args = example_inputs(layout, model.config.vocab_size)
     # backed_size_oblivious: treat sizes 0/1 like any other size instead of specialising on them.
-    with attention_implementation(model, ATTN_IMPLEMENTATION), fx_config.patch(backed_size_oblivious=True):
+    # transformers' registry for attention functions: our key, our function, no patching.
+    AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
+    with use_attention(model, ATTN_IMPLEMENTATION), fx_config.patch(backed_size_oblivious=True):
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(layout), strict=False)
     return CapturedModel(program, layout, spec, layout.num_layers, model.config.vocab_size)
 

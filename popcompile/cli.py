@@ -29,7 +29,8 @@ def _add_export(sub) -> None:
     cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "
                                                       "(default 1/3: cut = L - floor(L/3))")
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
-    p.add_argument("--target", choices=["onnx"], default="onnx", help="engine format (default onnx)")
+    p.add_argument("--target", choices=["onnx", "tensorrt"], default="onnx",
+                   help="engine format (default onnx; tensorrt needs an NVIDIA GPU)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
     p.set_defaults(handler=cmd_export)
@@ -67,12 +68,22 @@ def _add_info(sub) -> None:
     p.set_defaults(handler=cmd_info)
 
 
+def _add_check(sub) -> None:
+    p = sub.add_parser("check", help="check an engine folder's graphs against a deployment target",
+                       description="Check every op, dtype, opset and dynamic dimension of both graphs against "
+                                   "what the target's ONNX parser supports (no GPU needed).")
+    p.add_argument("engine", type=Path, help="engine folder")
+    p.add_argument("--target", choices=["tensorrt"], default="tensorrt", help="deployment target (tensorrt)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(handler=cmd_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="popcompile", description=(
         "Prefill-Only Pruning compiler: export a decoder LLM as a pruned prefill graph and its untouched "
         "decode graph sharing one KV layout, and run them."))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_export, _add_run, _add_info):
+    for add in (_add_export, _add_run, _add_info, _add_check):
         add(sub)
     return parser
 
@@ -93,6 +104,12 @@ def cmd_export(args) -> None:
 
     from .exporters.onnx import export
 
+    if args.target == "tensorrt":
+        from .exporters.tensorrt_compat import require_gpu
+
+        require_gpu()
+        raise CliError("building TensorRT engines is not implemented yet: export with --target onnx, "
+                       "check it with `popcompile check DIR --target tensorrt`, and run it with --provider tensorrt")
     _quiet_libraries()
 
     steps = ["load", "capture + POP pass", "export decode graph", "export prefill graph", "write engine folder"]
@@ -161,6 +178,21 @@ def cmd_info(args) -> None:
 
     manifest = EngineManifest.read(args.engine)
     print(manifest.to_json() if args.json else _summary(args.engine, manifest))
+
+
+def cmd_check(args) -> None:
+    from dataclasses import asdict
+
+    from .exporters.tensorrt_compat import check_engine, format_table
+
+    report = check_engine(args.engine)
+    if args.json:
+        print(json.dumps({"ok": report.ok, "tensorrt_version": report.tensorrt_version,
+                          "findings": [asdict(f) for f in (*report.failures, *report.warnings)]}))
+    else:
+        print(format_table(report))
+    if not report.ok:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

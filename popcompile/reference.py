@@ -22,6 +22,8 @@ from typing import Iterator
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .capture import use_attention
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -46,13 +48,9 @@ def bypass_layers(model: torch.nn.Module, start: int) -> Iterator[None]:
     def passthrough(module, args, kwargs, output):
         return args[0] if args else kwargs["hidden_states"]
 
-    handles = [layer.register_forward_hook(passthrough, with_kwargs=True)
-               for layer in decoder_layers(model)[start:]]
-    try:
+    with _removed_after([layer.register_forward_hook(passthrough, with_kwargs=True)
+                         for layer in decoder_layers(model)[start:]]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
@@ -68,23 +66,18 @@ def hide_positions(model: torch.nn.Module, start: int, hidden: int) -> Iterator[
         mask[..., :hidden] = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
         return args, {**kwargs, "attention_mask": mask}
 
-    handles = [layer.self_attn.register_forward_pre_hook(mask_rows, with_kwargs=True)
-               for layer in decoder_layers(model)[start:]]
+    with _removed_after([layer.self_attn.register_forward_pre_hook(mask_rows, with_kwargs=True)
+                         for layer in decoder_layers(model)[start:]]):
+        yield
+
+
+@contextlib.contextmanager
+def _removed_after(handles: list) -> Iterator[None]:
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def attention(model: torch.nn.Module, name: str) -> Iterator[None]:
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
@@ -134,7 +127,7 @@ class _Run:
 
 
 def _eager_if_needed(model, variant: Variant) -> contextlib.AbstractContextManager:
-    return attention(model, "eager") if not variant.kv_projection else contextlib.nullcontext()
+    return use_attention(model, "eager") if not variant.kv_projection else contextlib.nullcontext()
 
 
 @torch.no_grad()

@@ -184,3 +184,17 @@ def test_info_json(smol_engine):
 def test_runtime_imports_no_torch():
     code = "import sys, popcompile.runtime.ort, popcompile.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("which", ["smol_engine", "gemma_engine"])
+def test_cli_check_tensorrt_passes_on_real_engines(which, request):
+    out = json.loads(cli("check", str(request.getfixturevalue(which)), "--target", "tensorrt", "--json").stdout)
+    assert out["ok"] and all(f["status"] != "unsupported" for f in out["findings"])
+
+
+def test_export_for_tensorrt_without_gpu_says_what_to_do(tmp_path):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA GPU: the no-GPU message does not apply")
+    message = _error("export", "smollm2-135m", "--out", str(tmp_path / "trt"), "--target", "tensorrt")
+    assert "NVIDIA GPU" in message and "popcompile check" in message
+    assert not list(tmp_path.iterdir())

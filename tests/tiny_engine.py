@@ -1,0 +1,37 @@
+"""A real engine folder from a tiny random decoder (tests/tiny.py), for tests that need exported graphs.
+
+    from tiny_engine import tiny_engine
+    folder = tiny_engine("llama", tmp_path / "engine")   # prefill.onnx, decode.onnx, popcompile.json, ...
+
+No download: the tokenizer is a WordLevel vocabulary of the tiny model's 97 token ids built in memory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from popcompile.exporters.onnx import export
+from popcompile.models import LoadedModel, ModelSource
+from tiny import tiny_model
+
+
+def tiny_tokenizer(vocab_size: int = 97) -> transformers.PreTrainedTokenizerFast:
+    """Whitespace words ``t0 .. t{n-4}`` plus <unk>, <s>, </s>: one id per token of the tiny model."""
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(special + [f"t{i}" for i in range(vocab_size - len(special))])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_engine(model_type: str, out_dir: str | Path, **export_kwargs) -> Path:
+    """Export ``tiny_model(model_type)`` as an engine folder at ``out_dir`` and return its path."""
+    model = tiny_model(model_type)
+    tokenizer = tiny_tokenizer(model.config.vocab_size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    source = ModelSource(name="tiny", kind="folder", path="tiny", sha256=None)
+    export(LoadedModel(model, tokenizer, source), out_dir, **export_kwargs)
+    return Path(out_dir)
