@@ -12,7 +12,7 @@ from torch.export import ExportedProgram
 
 from .capture import CapturedModel, capture, export_flat
 from .kv import KVLayout
-from .passes.pop import pop_pass, resolve_cut
+from .passes.pop import KVWeights, pop_pass, resolve_cut
 
 
 @dataclass(frozen=True)
@@ -24,19 +24,19 @@ class GraphPair:
     num_layers: int
 
 
-def prefill_graph(captured: CapturedModel, cut: int) -> ExportedProgram:
+def prefill_graph(captured: CapturedModel, cut: int, kv_weights: KVWeights | None = None) -> ExportedProgram:
     """Run the POP pass on a copy of the decode graph and export the result."""
     gm = captured.program.module()  # a fresh GraphModule: the decode program stays untouched
-    result = pop_pass(gm, cut)
+    result = pop_pass(gm, cut, kv_weights)
     return export_flat(result.graph_module, captured.layout, captured.vocab_size)
 
 
 def build_graphs(
     model: torch.nn.Module, *, cut: int | None = None, prune_ratio: float | None = None,
-    max_seq: int | None = None,
+    max_seq: int | None = None, kv_weights: KVWeights | None = None,
 ) -> GraphPair:
     """Capture ``model`` and derive its prefill graph; the cut is validated before any tracing."""
     cut = resolve_cut(model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
     captured = capture(model, max_seq=max_seq)
-    prefill = prefill_graph(captured, cut)
+    prefill = prefill_graph(captured, cut, kv_weights)
     return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers)

@@ -144,3 +144,30 @@ def test_pass_rejects_a_graph_without_decoder_layers():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="cut=1 is out of range for a model with 0 layers"):
         pop_pass(gm, 1)
+
+
+def test_kv_weights_replace_only_the_deep_projections():
+    """POP+: same nodes, new weights; the original weights give the same graph outputs."""
+    from popcompile.passes.pop import Projection
+
+    model = tiny_model("qwen2")  # qwen2's k/v projections have a bias
+    layers = model.get_decoder().layers
+    same = {3: {"k_proj": Projection(layers[3].self_attn.k_proj.weight, layers[3].self_attn.k_proj.bias)}}
+    torch.manual_seed(1)
+    new_k = Projection(torch.randn_like(layers[3].self_attn.k_proj.weight), torch.randn(32))
+    new_v = Projection(torch.randn_like(layers[3].self_attn.v_proj.weight), None)
+    plain, unchanged = build_graphs(model, cut=2), build_graphs(model, cut=2, kv_weights=same)
+    refit = build_graphs(model, cut=2, kv_weights={3: {"k_proj": new_k, "v_proj": new_v}})
+    assert _parts_by_layer(refit.prefill) == _parts_by_layer(plain.prefill)
+    prompt = torch.randint(0, 97, (1, 8))
+    base, same_out, new = (run_graph(p.prefill.module(), prompt, empty_past(p.layout)) for p in (plain, unchanged, refit))
+    for a, b in zip(base, same_out):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for i in range(6):  # layers 0..2 untouched
+        torch.testing.assert_close(new[i], base[i], atol=0, rtol=0)
+    h = layers[3].input_layernorm(model(prompt, output_hidden_states=True).hidden_states[2])
+    v = (h @ new_v.weight.T).view(1, 8, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(new[7], v, atol=ATOL, rtol=0)
+    assert not torch.allclose(new[6], base[6])
+    with pytest.raises(ValueError, match="only pruned layers"):
+        build_graphs(model, cut=2, kv_weights={1: {"k_proj": new_k}})

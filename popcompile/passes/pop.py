@@ -18,10 +18,15 @@ After (every deep layer reads h_cut, the output of layer cut-1; dead code is gon
 
 No q_proj, attention, o_proj, MLP or post-norm for the deep layers; no final norm and no LM head.
 Layers ``0..cut-1`` are unchanged.
+
+POP+ (``kv_weights``): the deep layers' k/v projections may read replacement weights (and a bias)
+fitted so that ``input_norm_l(h_cut)`` predicts the K/V layer l would really have made. Same nodes,
+same cost: only the ``linear`` nodes' weight and bias inputs change.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +58,18 @@ def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | No
 
 
 @dataclass(frozen=True)
+class Projection:
+    """Replacement weights of one linear projection: weight [out, in], bias [out]."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+#: layer index -> {"k_proj": Projection, "v_proj": Projection}
+KVWeights = Mapping[int, Mapping[str, Projection]]
+
+
+@dataclass(frozen=True)
 class PopResult:
     graph_module: fx.GraphModule
     cut: int
@@ -60,7 +77,7 @@ class PopResult:
     modified: bool
 
 
-def pop_pass(gm: fx.GraphModule, cut: int) -> PopResult:
+def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) -> PopResult:
     """Rewrite ``gm`` in place into the prefill graph (see module docstring)."""
     layers = find_layers(gm.graph)
     cut = resolve_cut(len(layers), cut=cut)
@@ -70,6 +87,11 @@ def pop_pass(gm: fx.GraphModule, cut: int) -> PopResult:
         for layer in layers[cut + 1:]:
             for node in layer.nodes_in(INPUT_NORM):
                 node.replace_input_with(layer.input, h_cut)
+    for index, projections in (kv_weights or {}).items():
+        if not cut <= index < len(layers):
+            raise ValueError(f"kv_weights for layer {index}: only pruned layers {cut}..{len(layers) - 1} take them")
+        for name, projection in projections.items():
+            _replace_projection(gm, layers[index], name, projection)
     _erase_metadata_asserts(gm.graph)
     gm.graph.eliminate_dead_code(is_impure_node=_has_side_effect)
     # Flat positional inputs and a flat tuple of outputs: the prefill graph's own interface.
@@ -77,6 +99,29 @@ def pop_pass(gm: fx.GraphModule, cut: int) -> PopResult:
     gm.graph.lint()
     gm.recompile()
     return PopResult(gm, cut, len(layers), modified=True)
+
+
+def _replace_projection(gm: fx.GraphModule, layer, name: str, projection: Projection) -> None:
+    """Point the layer's ``<name>`` linear node at new weight (and bias) attributes of ``gm``."""
+    linears = [n for n in layer.nodes if n.target is torch.ops.aten.linear.default
+               and module_path(n).endswith(f"self_attn.{name}")]
+    if len(linears) != 1:
+        raise ValueError(f"layer {layer.index}: expected one linear node in self_attn.{name}, found {len(linears)}")
+    node = linears[0]
+    old_weight = node.args[1].meta.get("val")
+    if old_weight is not None and tuple(old_weight.shape) != tuple(projection.weight.shape):
+        raise ValueError(f"layer {layer.index} {name}: weight shape {tuple(projection.weight.shape)} != "
+                         f"{tuple(old_weight.shape)}")
+    args = [node.args[0], _constant(gm, node, f"pop_kv_{layer.index}_{name}_weight", projection.weight)]
+    if projection.bias is not None:
+        args.append(_constant(gm, node, f"pop_kv_{layer.index}_{name}_bias", projection.bias))
+    node.args = tuple(args)
+
+
+def _constant(gm: fx.GraphModule, before: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
+    gm.register_buffer(name, value.detach().clone())
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(name)
 
 
 def _drop_logits(graph: fx.Graph) -> None:
