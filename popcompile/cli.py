@@ -29,6 +29,9 @@ def _add_export(sub) -> None:
     cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "
                                                       "(default 1/3: cut = L - floor(L/3))")
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
+    p.add_argument("--kv-calibration", default="none", metavar="{none,auto,FILE}",
+                   help="POP+: refit the pruned layers' K/V projections: none (default, the paper's POP), "
+                        "auto (fit now on the built-in corpus), or a file from `popcompile calibrate`")
     p.add_argument("--target", choices=["onnx", "tensorrt"], default="onnx",
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
@@ -66,6 +69,52 @@ def _add_info(sub) -> None:
     p.add_argument("engine", type=Path, help="engine folder")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.set_defaults(handler=cmd_info)
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit POP+ K/V projections for the pruned layers (closed form)",
+                       description="Ridge-fit, for every pruned layer, k/v projections that map input_norm(h_cut) "
+                                   "to the K/V the full model makes; write them as safetensors + JSON.")
+    p.add_argument("model", help="shipped name, a .gguf file or a HF folder")
+    p.add_argument("--out", required=True, type=Path, help="output .safetensors file (a .json is written beside it)")
+    cut = p.add_mutually_exclusive_group()
+    cut.add_argument("--cut", type=int, help="first pruned layer (1..L-1)")
+    cut.add_argument("--prune-ratio", type=float, help="fraction of layers pruned (default 1/3)")
+    p.add_argument("--text", type=Path, action="append", default=[],
+                   help="calibrate on this text file instead of the built-in corpus (repeatable)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
+    p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(handler=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from .calibrate import default_batches, fit_kv, save_fit, token_batches
+    from .models import load_model
+    from .passes.pop import resolve_cut
+
+    if args.out.exists() and not args.force:
+        raise CliError(f"{args.out} exists: choose another --out or pass --force")
+    _quiet_libraries()
+    loaded = load_model(args.model)
+    cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
+    if args.text:
+        docs = [loaded.tokenizer(_read(path)).input_ids for path in args.text]
+        batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
+    else:
+        batches = default_batches(loaded.tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    if not batches:
+        raise CliError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: give more text")
+    with torch.no_grad(), tqdm(total=sum(b.numel() for b in batches), unit="tok", desc="calibrate",
+                               file=sys.stderr, disable=None) as bar:
+        fit = fit_kv(loaded.model, batches, cut, ridge=args.ridge, progress=bar.update)
+    save_fit(fit, args.out)
+    print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
+          f"{fit.info.tokens} tokens (ridge {fit.info.ridge})")
 
 
 def _add_check(sub) -> None:
@@ -127,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Prefill-Only Pruning compiler: export a decoder LLM as a pruned prefill graph and its untouched "
         "decode graph sharing one KV layout, and run them."))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_export, _add_run, _add_info, _add_check, _add_eval):
+    for add in (_add_export, _add_run, _add_info, _add_check, _add_eval, _add_calibrate):
         add(sub)
     return parser
 
@@ -164,7 +213,8 @@ def cmd_export(args) -> None:
             bar.set_description(name)
 
         manifest = export(args.model, args.out, cut=args.cut, prune_ratio=args.prune_ratio,
-                          max_seq=args.max_seq, force=args.force, progress=progress)
+                          max_seq=args.max_seq, force=args.force, kv_calibration=args.kv_calibration,
+                          progress=progress)
         bar.update(bar.total - bar.n)
     if args.json:
         print(manifest.to_json())

@@ -27,6 +27,13 @@ STDLIB_MODULES: tuple[str, ...] = (
     "ipaddress", "pprint", "queue", "random", "shlex", "statistics", "string", "textwrap",
 )
 
+#: Calibration text for POP+ (calibrate.py): other stdlib modules, so evaluation stays held out.
+CALIBRATION_MODULES: tuple[str, ...] = (
+    "abc", "codecs", "datetime", "decimal", "fileinput", "fnmatch", "getopt", "glob", "gzip", "hashlib",
+    "locale", "numbers", "operator", "optparse", "pathlib", "pickle", "platform", "selectors", "shutil",
+    "tarfile", "tempfile", "threading", "typing", "uuid", "weakref", "zipfile",
+)
+
 #: Chat instructions for the generation task (short, varied; greedy decoding makes them deterministic).
 CHAT_PROMPTS: tuple[str, ...] = (
     "What is the capital of France?",

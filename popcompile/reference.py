@@ -16,8 +16,9 @@ the deep layers in every stage.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -31,6 +32,8 @@ class Variant:
     boundary: bool = True
     kv_projection: bool = True
     shortgpt: bool = False
+    # POP+: layer -> {"k_proj"|"v_proj": Projection} used by the pruned prefill (calibrate.py)
+    kv_weights: Mapping[int, Mapping[str, Any]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1:
@@ -72,6 +75,18 @@ def hide_positions(model: torch.nn.Module, start: int, hidden: int) -> Iterator[
 
 
 @contextlib.contextmanager
+def replaced_projections(model: torch.nn.Module, weights: Mapping[int, Mapping[str, Any]]) -> Iterator[None]:
+    """The named k/v projections of the given layers compute with replacement weights (POP+)."""
+    def hook_for(projection):
+        return lambda module, args, output: torch.nn.functional.linear(args[0], projection.weight, projection.bias)
+
+    layers = decoder_layers(model)
+    with _removed_after([layers[i].self_attn.get_submodule(part).register_forward_hook(hook_for(p))
+                         for i, parts in weights.items() for part, p in parts.items()]):
+        yield
+
+
+@contextlib.contextmanager
 def _removed_after(handles: list) -> Iterator[None]:
     try:
         yield
@@ -87,10 +102,10 @@ def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch
 
 
 @torch.no_grad()
-def prefill_cache(model: torch.nn.Module, ids: torch.Tensor, cut: int) -> DynamicCache:
+def prefill_cache(model: torch.nn.Module, ids: torch.Tensor, cut: int, kv_weights=None) -> DynamicCache:
     """The cache POP's prefill graph fills for ``ids`` [B, T] (every row pruned, no boundary step)."""
     cache = DynamicCache()
-    with bypass_layers(model, cut):
+    with bypass_layers(model, cut), replaced_projections(model, kv_weights or {}):
         _forward(model, ids, cache, 0)
     return cache
 
@@ -107,6 +122,8 @@ class _Run:
         v, stack = self.variant, contextlib.ExitStack()
         if pruned or v.shortgpt:
             stack.enter_context(bypass_layers(self.model, v.cut))
+        if pruned and v.kv_weights:
+            stack.enter_context(replaced_projections(self.model, v.kv_weights))
         elif not v.kv_projection and self.pruned_rows > 0:
             stack.enter_context(hide_positions(self.model, v.cut, self.pruned_rows))
         return stack

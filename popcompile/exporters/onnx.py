@@ -17,13 +17,16 @@ import importlib.metadata
 import io
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 
 import onnx
 import torch
 
+from ..calibrate import KVFit, check_fit, default_batches, fit_kv, load_fit
 from ..models import LoadedModel, load_model
+from ..passes.pop import resolve_cut
 from ..pipeline import GraphPair, build_graphs
 from .manifest import EngineError, EngineManifest, GraphEntry
 
@@ -37,7 +40,7 @@ _INLINE_BYTES = 1024
 def export(
     model: str | LoadedModel, out_dir: str | Path, *, cut: int | None = None,
     prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
-    progress: Callable[[str], None] | None = None,
+    kv_calibration: str | Path | None = None, progress: Callable[[str], None] | None = None,
 ) -> EngineManifest:
     """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``."""
     out_dir = Path(out_dir)
@@ -46,7 +49,9 @@ def export(
     step("load")
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     step("capture + POP pass")
-    pair = build_graphs(loaded.model, cut=cut, prune_ratio=prune_ratio, max_seq=max_seq)
+    cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
+    fit = kv_fit(loaded, cut, kv_calibration)
+    pair = build_graphs(loaded.model, cut=cut, max_seq=max_seq, kv_weights=fit and fit.weights)
     with _staging(out_dir, force) as tmp:
         step("export decode graph")
         decode = to_onnx(pair.decode, pair, with_logits=True)
@@ -59,7 +64,7 @@ def export(
         loaded.tokenizer.save_pretrained(tmp)
         loaded.model.generation_config.save_pretrained(tmp)
         loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
-        manifest = _manifest(tmp, loaded, pair, weights_bytes)
+        manifest = _manifest(tmp, loaded, pair, weights_bytes, fit)
         manifest.write(tmp)
     return manifest
 
@@ -128,7 +133,21 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int) -> EngineManifest:
+def kv_fit(loaded: LoadedModel, cut: int, kv_calibration: str | Path | None) -> KVFit | None:
+    """None/"none": plain POP; "auto": fit on the default corpus now; else a file from `popcompile calibrate`."""
+    layers = loaded.model.config.num_hidden_layers
+    if kv_calibration in (None, "none") or cut == layers:
+        return None
+    if kv_calibration == "auto":
+        with torch.no_grad():
+            return fit_kv(loaded.model, default_batches(loaded.tokenizer), cut)
+    fit = load_fit(kv_calibration)
+    check_fit(fit, cut, layers)
+    return fit
+
+
+def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,
+              fit: KVFit | None) -> EngineManifest:
     graphs = {}
     for name in ("prefill", "decode"):
         path = folder / f"{name}.onnx"
@@ -144,7 +163,8 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
                "model_type": loaded.model.config.model_type},
         num_layers=pair.num_layers, cut=pair.cut, kv_layout=pair.layout, graphs=graphs,
         weights={"file": WEIGHTS, "bytes": weights_bytes}, dtype=pair.layout.dtype,
-        versions=_versions(), eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        versions=_versions(), extra={"kv_calibration": asdict(fit.info) if fit else None},
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
     )
 
 
