@@ -17,6 +17,13 @@ class CliError(Exception):
     """A bad invocation: printed as one line, exit code 2."""
 
 
+def _add_cut_options(parser) -> None:
+    cut = parser.add_mutually_exclusive_group()
+    cut.add_argument("--cut", type=int, help="first pruned layer (1..L; L prunes nothing)")
+    cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "
+                                                       "(default 1/3: cut = L - floor(L/3))")
+
+
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="capture a model, apply POP and write an engine folder",
                        description="Capture MODEL, derive the POP prefill graph and write both graphs, "
@@ -24,10 +31,7 @@ def _add_export(sub) -> None:
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder or a "
                                  "HF id already in the local cache")
     p.add_argument("--out", required=True, type=Path, help="engine folder to create (must not exist)")
-    cut = p.add_mutually_exclusive_group()
-    cut.add_argument("--cut", type=int, help="first pruned layer (1..L; L prunes nothing)")
-    cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "
-                                                      "(default 1/3: cut = L - floor(L/3))")
+    _add_cut_options(p)
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
     p.add_argument("--kv-calibration", default="none", metavar="{none,auto,FILE}",
                    help="POP+: refit the pruned layers' K/V projections: none (default, the paper's POP), "
@@ -77,9 +81,7 @@ def _add_calibrate(sub) -> None:
                                    "to the K/V the full model makes; write them as safetensors + JSON.")
     p.add_argument("model", help="shipped name, a .gguf file or a HF folder")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors file (a .json is written beside it)")
-    cut = p.add_mutually_exclusive_group()
-    cut.add_argument("--cut", type=int, help="first pruned layer (1..L-1)")
-    cut.add_argument("--prune-ratio", type=float, help="fraction of layers pruned (default 1/3)")
+    _add_cut_options(p)
     p.add_argument("--text", type=Path, action="append", default=[],
                    help="calibrate on this text file instead of the built-in corpus (repeatable)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
@@ -136,9 +138,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--tasks", help="comma list of continuation, generation, humaneval (default: continuation,generation; "
                                    "none with --sweep)")
     p.add_argument("--variants", help="comma list of variants (default: all)")
-    cut = p.add_mutually_exclusive_group()
-    cut.add_argument("--cut", type=int, help="first pruned layer (1..L)")
-    cut.add_argument("--prune-ratio", type=float, help="fraction of layers pruned (default 1/3)")
+    _add_cut_options(p)
     p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
     p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
