@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -29,13 +30,28 @@ import torch
 from . import eval_data, reference
 from .reference import Variant
 
-#: name -> factory(cut, num_layers) -> Variant. Register new variants (e.g. pop-kvfit) here.
-VARIANTS: dict[str, Callable[[int, int], Variant]] = {
-    "full": lambda cut, layers: Variant(cut=layers),
-    "pop": lambda cut, layers: Variant(cut),
-    "pop-no-boundary": lambda cut, layers: Variant(cut, boundary=False),
-    "pop-no-kv": lambda cut, layers: Variant(cut, kv_projection=False),
-    "shortgpt": lambda cut, layers: Variant(cut, shortgpt=True),
+@dataclass(frozen=True)
+class VariantContext:
+    """What a variant factory may use: the cut, the depth, and (lazily) a POP+ K/V fit for that cut."""
+
+    cut: int
+    num_layers: int
+    kv_fit: Callable[[int], Any] | None = None  # cut -> {layer: {"k_proj"|"v_proj": Projection}}
+
+    def fitted_kv(self) -> Any:
+        if self.kv_fit is None:
+            raise ValueError("variant pop-kvfit needs a model to calibrate on (give kv_fit)")
+        return self.kv_fit(self.cut) if self.cut < self.num_layers - 1 else None
+
+
+#: name -> factory(VariantContext) -> Variant. Register new variants here.
+VARIANTS: dict[str, Callable[[VariantContext], Variant]] = {
+    "full": lambda c: Variant(cut=c.num_layers),
+    "pop": lambda c: Variant(c.cut),
+    "pop-kvfit": lambda c: Variant(c.cut, kv_weights=c.fitted_kv()),
+    "pop-no-boundary": lambda c: Variant(c.cut, boundary=False),
+    "pop-no-kv": lambda c: Variant(c.cut, kv_projection=False),
+    "shortgpt": lambda c: Variant(c.cut, shortgpt=True),
 }
 TASKS = ("continuation", "generation", "humaneval")
 DEFAULT_TASKS = ("continuation", "generation")
@@ -44,20 +60,38 @@ CODE_EXEC_REFUSAL = ("the humaneval task runs model-written code on this machine
                      "to allow it (ideally inside a sandbox or container)")
 
 
-def register_variant(name: str, factory: Callable[[int, int], Variant]) -> None:
-    """Add a variant: ``factory(cut, num_layers) -> Variant``."""
+def register_variant(name: str, factory: Callable[[VariantContext], Variant]) -> None:
+    """Add a variant: ``factory(VariantContext) -> Variant``."""
     if name in VARIANTS:
         raise ValueError(f"variant {name!r} is already registered")
     VARIANTS[name] = factory
 
 
-def make_variants(names: Iterable[str], cut: int, num_layers: int) -> dict[str, Variant]:
+def make_variants(names: Iterable[str], cut: int, num_layers: int,
+                  kv_fit: Callable[[int], Any] | None = None) -> dict[str, Variant]:
     """``{name: Variant}`` for the named registry entries, the baseline ``full`` always first."""
     names = list(dict.fromkeys([BASELINE, *names]))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
-    return {name: VARIANTS[name](cut, num_layers) for name in names}
+    context = VariantContext(cut, num_layers, kv_fit)
+    return {name: VARIANTS[name](context) for name in names}
+
+
+def describe(variant: Variant) -> dict:
+    """A variant as JSON-able fields (the POP+ weights as a flag)."""
+    return {"cut": variant.cut, "boundary": variant.boundary, "kv_projection": variant.kv_projection,
+            "shortgpt": variant.shortgpt, "kv_refit": bool(variant.kv_weights)}
+
+
+def default_kv_fit(loaded) -> Callable[[int], Any]:
+    """POP+ weights fitted on the built-in calibration corpus (held out from the evaluation data)."""
+    from .calibrate import default_batches, fit_kv
+
+    def fit(cut: int):
+        with torch.no_grad():
+            return fit_kv(loaded.model, default_batches(loaded.tokenizer), cut).weights
+    return fit
 
 
 def _bar(total: int, desc: str):
@@ -398,11 +432,12 @@ def run_eval(model_name: str, out: Path, *, tasks: list[str], variant_names: Ite
     model, tok = loaded.model, loaded.tokenizer
     layers = _num_layers(model)
     cut = resolve_cut(layers, cut, prune_ratio)
-    variants = make_variants(VARIANTS if variant_names is None else variant_names, cut, layers)
+    variants = make_variants(VARIANTS if variant_names is None else variant_names, cut, layers,
+                             kv_fit=default_kv_fit(loaded))
     results: dict[str, Any] = {
         "model": model_name, "model_type": model.config.model_type, "num_layers": layers, "cut": cut,
         "prefix_len": prefix_len, "cont_len": cont_len, "speedup_bound": speedup_bound(model.config, prefix_len, cut),
-        "variants": {n: vars(v) for n, v in variants.items()}, "limit": limit, "tasks": {},
+        "variants": {n: describe(v) for n, v in variants.items()}, "limit": limit, "tasks": {},
     }
     docs = None
     if "continuation" in tasks or do_sweep:

@@ -42,9 +42,24 @@ def docs():
     return found
 
 
+def _tiny_fit(model):
+    from popcompile.calibrate import fit_kv
+
+    def fit(cut):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return fit_kv(model, [torch.randint(0, model.config.vocab_size, (2, 32))], cut).weights
+    return fit
+
+
+def test_pop_kvfit_needs_a_model_to_calibrate_on():
+    with pytest.raises(ValueError, match="pop-kvfit needs a model"):
+        evaluate.make_variants(["pop-kvfit"], cut=2, num_layers=LAYERS)
+
+
 def test_every_variant_runs_on_continuation(model, docs):
     # cut 2: with cut = L-1 the one pruned layer's input is h_{L-1} in POP too, so POP is exact there
-    variants = evaluate.make_variants(evaluate.VARIANTS, cut=2, num_layers=LAYERS)
+    variants = evaluate.make_variants(evaluate.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model))
     assert list(variants)[0] == "full" and set(variants) == set(evaluate.VARIANTS)
     scores = evaluate.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
     for name, s in scores.items():
@@ -52,6 +67,7 @@ def test_every_variant_runs_on_continuation(model, docs):
         assert 0.0 <= s["agreement"] <= 1.0 and len(s["doc_nll"]) == len(docs)
     assert scores["full"]["agreement"] == 1.0 and scores["full"]["kl_to_full"] == 0.0
     assert scores["pop"]["kl_to_full"] > 0 and scores["pop"]["nll"] != scores["full"]["nll"]
+    assert scores["pop-kvfit"]["nll"] != scores["pop"]["nll"]  # the refit weights are really used
 
 
 def test_pop_at_full_depth_scores_exactly_like_full(model, docs):
