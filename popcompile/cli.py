@@ -184,9 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_libraries() -> None:
     """The CLI shows its own progress: silence the libraries' bars and notices (not their errors)."""
     import logging
+    import warnings
 
     import transformers
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecation notices from torch/transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
