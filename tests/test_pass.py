@@ -5,6 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from popcompile import reference
 from popcompile.arch import ARCHITECTURES
@@ -171,3 +173,19 @@ def test_kv_weights_replace_only_the_deep_projections():
     assert not torch.allclose(new[6], base[6])
     with pytest.raises(ValueError, match="only pruned layers"):
         build_graphs(model, cut=2, kv_weights={1: {"k_proj": new_k}})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arch=st.sampled_from(ARCHS), kv_heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2, 3]),
+       head_dim=st.sampled_from([8, 16]), layers=st.integers(2, 5), data=st.data())
+def test_prefill_kv_equivalence_over_shapes(arch, kv_heads, groups, head_dim, layers, data):
+    """Property: for any geometry and cut, the prefill graph's K/V equal the reference's."""
+    cut = data.draw(st.integers(1, layers), label="cut")
+    model = tiny_model(arch, layers=layers, heads=kv_heads * groups, kv_heads=kv_heads, head_dim=head_dim)
+    pair = build_graphs(model, cut=cut, max_seq=64)
+    prompt = torch.randint(0, 97, (1, 9))
+    kv = run_graph(pair.prefill.module(), prompt, empty_past(pair.layout))
+    cache = reference.prefill_cache(model, prompt, cut)
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(kv[2 * i], layer.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(kv[2 * i + 1], layer.values, atol=ATOL, rtol=0)
