@@ -203,8 +203,8 @@ def generate_until(model, prompt: torch.Tensor, variant: Variant, max_new_tokens
                    eos_token_id: int | None = None, stop: Callable[[list[int]], bool] | None = None) -> list[int]:
     """``reference.generate`` with an early stop: ends after the token for which ``stop(tokens)`` holds.
     With ``stop=None`` it returns exactly what ``reference.generate`` returns."""
-    with reference._eager_if_needed(model, variant):
-        run = reference._Run(model, variant, prompt.shape[1])
+    with reference.attention_for(model, variant):
+        run = reference.PopRun(model, variant, prompt.shape[1])
         logits, tokens, pos = run.prefill(prompt), [], prompt.shape[1]
         for _ in range(max_new_tokens):
             token = int(logits[0].argmax())

@@ -110,7 +110,7 @@ def prefill_cache(model: torch.nn.Module, ids: torch.Tensor, cut: int, kv_weight
     return cache
 
 
-class _Run:
+class PopRun:
     """The stages of one POP variant over one prompt, as context managers and forwards."""
 
     def __init__(self, model: torch.nn.Module, variant: Variant, prompt_len: int):
@@ -143,7 +143,8 @@ class _Run:
             return _forward(self.model, ids, self.cache, start)
 
 
-def _eager_if_needed(model, variant: Variant) -> contextlib.AbstractContextManager:
+def attention_for(model, variant: Variant) -> contextlib.AbstractContextManager:
+    """Eager attention where the variant needs a materialised mask (kv_projection=False), else as is."""
     return use_attention(model, "eager") if not variant.kv_projection else contextlib.nullcontext()
 
 
@@ -155,8 +156,8 @@ def generate(
     """Greedy generation of one prompt [1, N] under a POP variant; returns the new token ids."""
     if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] < 2:
         raise ValueError(f"prompt must have shape [1, N] with N >= 2, got {tuple(prompt.shape)}")
-    with _eager_if_needed(model, variant):
-        run = _Run(model, variant, prompt.shape[1])
+    with attention_for(model, variant):
+        run = PopRun(model, variant, prompt.shape[1])
         logits, tokens, pos = run.prefill(prompt), [], prompt.shape[1]
         for _ in range(max_new_tokens):
             token = int(logits[0].argmax())
@@ -174,8 +175,8 @@ def continuation_logits(
 ) -> torch.Tensor:
     """Teacher-forced: logits [B, C, V] predicting each token of ``continuation`` [B, C] after
     ``prefix`` [B, N] was prefilled under ``variant`` (the continuation runs as decode steps)."""
-    with _eager_if_needed(model, variant):
-        run = _Run(model, variant, prefix.shape[1])
+    with attention_for(model, variant):
+        run = PopRun(model, variant, prefix.shape[1])
         first = run.prefill(prefix)[:, None]
         if continuation.shape[1] == 1:
             return first
