@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from popcompile.cli import build_parser, cmd_eval
+from popcompile.cli import build_parser
+from popcompile.commands.evaluate import cmd_eval
 from popcompile import eval_data, evaluate, reference
 from popcompile.reference import Variant
 from tiny import tiny_model

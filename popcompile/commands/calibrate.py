@@ -1,0 +1,50 @@
+"""``popcompile calibrate``: POP+ closed-form K/V projections for the pruned layers."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .common import CliError, add_cut_options, quiet_libraries, read_text
+
+def register(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit POP+ K/V projections for the pruned layers (closed form)",
+                       description="Ridge-fit, for every pruned layer, k/v projections that map input_norm(h_cut) "
+                                   "to the K/V the full model makes; write them as safetensors + JSON.")
+    p.add_argument("model", help="shipped name, a .gguf file or a HF folder")
+    p.add_argument("--out", required=True, type=Path, help="output .safetensors file (a .json is written beside it)")
+    add_cut_options(p)
+    p.add_argument("--text", type=Path, action="append", default=[],
+                   help="calibrate on this text file instead of the built-in corpus (repeatable)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
+    p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(handler=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from ..calibrate import default_batches, fit_kv, save_fit, token_batches
+    from ..models import load_model
+    from ..passes.pop import resolve_cut
+
+    if args.out.exists() and not args.force:
+        raise CliError(f"{args.out} exists: choose another --out or pass --force")
+    quiet_libraries()
+    loaded = load_model(args.model)
+    cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
+    if args.text:
+        docs = [loaded.tokenizer(read_text(path, "--text")).input_ids for path in args.text]
+        batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
+    else:
+        batches = default_batches(loaded.tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    if not batches:
+        raise CliError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: give more text")
+    with torch.no_grad(), tqdm(total=sum(b.numel() for b in batches), unit="tok", desc="calibrate",
+                               file=sys.stderr, disable=None) as bar:
+        fit = fit_kv(loaded.model, batches, cut, ridge=args.ridge, progress=bar.update)
+    save_fit(fit, args.out)
+    print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
+          f"{fit.info.tokens} tokens (ridge {fit.info.ridge})")

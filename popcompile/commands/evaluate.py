@@ -1,0 +1,49 @@
+"""``popcompile eval``: POP's quality against the full model and the ablations."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .common import add_cut_options, quiet_libraries
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="compare POP's quality with the full model and the ablations",
+        description="Score the variants (full, pop, pop-no-boundary, pop-no-kv, shortgpt) on the same real data: teacher-forced "
+                    "continuation of stdlib/HumanEval sources, greedy chat generations, HumanEval pass@1.")
+    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
+    p.add_argument("--tasks", help="comma list of continuation, generation, humaneval (default: continuation,generation; "
+                                   "none with --sweep)")
+    p.add_argument("--variants", help="comma list of variants (default: all)")
+    add_cut_options(p)
+    p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")
+    p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
+    p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
+    p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per chat prompt (default 64)")
+    p.add_argument("--code-tokens", type=int, default=256, help="max tokens per HumanEval completion (default 256)")
+    p.add_argument("--batch-size", type=int, help="documents per forward (default: by vocabulary size)")
+    p.add_argument("--sweep", action="store_true", help="continuation task for pop at every cut L..ceil(L/2)")
+    p.add_argument("--min-agreement", type=float, default=0.95, help="agreement for the sweep's auto cut (0.95)")
+    p.add_argument("--allow-code-exec", action="store_true",
+                   help="allow the humaneval task to execute model-written code (in a subprocess with a timeout)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test program (default 10)")
+    p.add_argument("--out", required=True, type=Path, help="folder for results.json, quality.png, sweep.png")
+    p.add_argument("--json", action="store_true", help="print results.json instead of the tables")
+    p.set_defaults(handler=cmd_eval)
+
+
+def cmd_eval(args) -> None:
+    from ..evaluate import parse_tasks, report, run_eval
+
+    quiet_libraries()
+    results = run_eval(
+        args.model, args.out, tasks=parse_tasks(args.tasks, args.sweep),
+        variant_names=args.variants and [v.strip() for v in args.variants.split(",") if v.strip()], cut=args.cut,
+        prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
+        gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size,
+        do_sweep=args.sweep, min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec,
+        timeout=args.timeout)
+    print(json.dumps(results, indent=1) if args.json else report(results))
+    if not args.json:
+        print(f"\nwrote {args.out / 'results.json'}", file=sys.stderr)
