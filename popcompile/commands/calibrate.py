@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .common import CliError, add_cut_options, quiet_libraries, read_text
 
+
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="fit POP+ K/V projections for the pruned layers (closed form)",
                        description="Ridge-fit, for every pruned layer, k/v projections that map input_norm(h_cut) "

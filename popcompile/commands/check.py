@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+
 def register(sub) -> None:
     p = sub.add_parser("check", help="check an engine folder's graphs against a deployment target",
                        description="Check every op, dtype, opset and dynamic dimension of both graphs against "

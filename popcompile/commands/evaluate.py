@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .common import add_cut_options, quiet_libraries
 
+
 def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="compare POP's quality with the full model and the ablations",

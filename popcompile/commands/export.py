@@ -7,6 +7,7 @@ from pathlib import Path
 from .common import CliError, add_cut_options, quiet_libraries
 from .info import summary
 
+
 def register(sub) -> None:
     p = sub.add_parser("export", help="capture a model, apply POP and write an engine folder",
                        description="Capture MODEL, derive the POP prefill graph and write both graphs, "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def register(sub) -> None:
     p = sub.add_parser("info", help="describe an engine folder")
     p.add_argument("engine", type=Path, help="engine folder")
