@@ -66,14 +66,22 @@ class _Moments:
         self.xty += x.T @ y.double()
 
     def solve(self, ridge: float) -> Projection:
-        lam = ridge * self.xtx.diagonal().mean()
-        eye = torch.eye(self.xtx.shape[0], dtype=torch.float64)
-        if self.bias:
-            eye[-1, -1] = 0.0  # the bias is not regularised
-        w = torch.linalg.solve(self.xtx + lam * eye, self.xty)  # [d_in (+1), d_out]
-        if not self.bias:
-            return Projection(weight=w.T.float().contiguous())
-        return Projection(weight=w[:-1].T.float().contiguous(), bias=w[-1].float().contiguous())
+        return ridge_solve(self.xtx, self.xty, ridge, self.bias)
+
+
+def ridge_solve(xtx: torch.Tensor, xty: torch.Tensor, ridge: float, bias: bool) -> Projection:
+    """``argmin ||X W - Y||^2 + lam ||W||^2`` from the moments (float64), ``lam = ridge * mean(diag(X^T X))``.
+
+    With ``bias`` the last row/column of ``xtx`` belongs to X's ones column; that weight is not regularised.
+    """
+    lam = ridge * xtx.diagonal().mean()
+    eye = torch.eye(xtx.shape[0], dtype=torch.float64)
+    if bias:
+        eye[-1, -1] = 0.0
+    w = torch.linalg.solve(xtx + lam * eye, xty)  # [d_in (+1), d_out]
+    if not bias:
+        return Projection(weight=w.T.float().contiguous())
+    return Projection(weight=w[:-1].T.float().contiguous(), bias=w[-1].float().contiguous())
 
 
 @torch.no_grad()
@@ -111,6 +119,117 @@ def fit_kv(
         weights.setdefault(index, {})[part] = m.solve(ridge)
     info = CalibrationInfo(cut, len(layers), ridge, tokens, digest.hexdigest())
     return KVFit(info, weights)
+
+
+# --- every cut in one pass ------------------------------------------------------------------------
+#
+# input_norm_l(h) = s_l * n(h) with n(h) = h / sqrt(mean(h^2) + eps) (weightless RMS norm) and s_l a
+# per-channel scale (Llama: w, Gemma 3: 1 + w). With N_c = [n(h_c), 1] ([T, d+1]) and S'_l = diag(s_l, 1):
+#     X^T X = S'_l (N_c^T N_c) S'_l,    X^T Y_l = S'_l (N_c^T Y_l)
+# N_c^T N_c depends only on the cut, N_c^T Y_l on the cut and the layer: one pass over the corpus
+# accumulates both for every cut, and each cut's fit is then fit_kv's ridge solve on these moments.
+# Memory (float64): sum over cuts of (d+1)^2 + (d+1) * 2 * kv_width * (L-1-c); SmolLM2, cuts 15..28:
+# 15 * 2.7 MB + 105 * 1.8 MB = 226 MB; Gemma-3-270M, cuts 9..16: 8 * 3.3 MB + 36 * 2.6 MB = 120 MB.
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """The epsilon of an RMS norm module (``variance_epsilon`` in Llama/Qwen/Mistral, ``eps`` in Gemma 3)."""
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(norm, name, None)
+        if isinstance(value, float):
+            return value
+    raise ValueError(f"{type(norm).__name__} has no variance_epsilon/eps: fit_kv_cuts needs an RMS norm; "
+                     "use fit_kv per cut")
+
+
+def rms_unit(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """n(h) = h / sqrt(mean(h^2) + eps) over the last dim, float64."""
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_scale(norm: torch.nn.Module, width: int) -> torch.Tensor:
+    """s with norm(h) == s * n(h), float64 [width]: n(ones) = 1/sqrt(1+eps), so s = norm(ones) * sqrt(1+eps)."""
+    ones = torch.ones(1, width)
+    return norm(ones)[0].double() * (1.0 + norm_eps(norm)) ** 0.5
+
+
+def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
+    got, want = scale * rms_unit(h, eps), norm(h).double()
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    if err > 1e-4:
+        raise ValueError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error {err:.2e}): "
+                         "fit_kv_cuts needs an RMS norm with a per-channel scale; use fit_kv per cut")
+
+
+class _AllCutMoments:
+    """N_c^T N_c per cut and N_c^T [Y_{c+1} .. Y_{L-1}] per cut (float64), N_c with a ones column."""
+
+    def __init__(self, cuts: list[int], num_layers: int, width: int, out: int):
+        self.cuts, self.num_layers, self.out = cuts, num_layers, out
+        self.ntn = {c: torch.zeros(width + 1, width + 1, dtype=torch.float64) for c in cuts}
+        self.nty = {c: torch.zeros(width + 1, out * (num_layers - 1 - c), dtype=torch.float64) for c in cuts}
+
+    def add(self, units: dict[int, torch.Tensor], targets: dict[int, torch.Tensor]) -> None:
+        # units[c]: n(h_c) [T, d] float64; targets[l]: [k_proj | v_proj] of layer l's true input [T, out]
+        for c in self.cuts:
+            n = torch.cat([units[c], torch.ones(units[c].shape[0], 1, dtype=torch.float64)], dim=1)
+            self.ntn[c] += n.T @ n
+            if c < self.num_layers - 1:
+                self.nty[c] += n.T @ torch.cat([targets[l] for l in range(c + 1, self.num_layers)], dim=1)
+
+    def moments(self, cut: int, layer: int, scale: torch.Tensor, bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(X^T X, X^T Y) of layer ``layer``'s fit at ``cut`` with X = input_norm_layer(h_cut) (+ ones if bias)."""
+        width = scale.shape[0] + int(bias)
+        s = torch.cat([scale, torch.ones(1, dtype=torch.float64)])[:width]
+        start = (layer - cut - 1) * self.out
+        xtx = s[:, None] * self.ntn[cut][:width, :width] * s[None, :]
+        return xtx, s[:, None] * self.nty[cut][:width, start:start + self.out]
+
+
+@torch.no_grad()
+def fit_kv_cuts(
+    model: torch.nn.Module, batches: Iterable[torch.Tensor], cuts: Iterable[int], *, ridge: float = 1e-3,
+    progress: Callable[[int], None] | None = None,
+) -> dict[int, KVFit]:
+    """``{cut: fit_kv(model, batches, cut)}`` for every cut in one pass over the corpus (see above)."""
+    spec, layers = arch_spec(model.config), model.get_decoder().layers
+    num_layers, cuts = len(layers), sorted(set(cuts))
+    if not cuts or not all(1 <= c < num_layers for c in cuts):
+        raise ValueError(f"cuts {cuts} must be non-empty and within 1..{num_layers - 1} (a cut of L prunes nothing)")
+    norms = [layer.get_submodule(spec.input_norm) for layer in layers]
+    projs = [[layer.get_submodule(getattr(spec, part)) for part in PARTS] for layer in layers]
+    width, eps = model.config.hidden_size, norm_eps(norms[0])
+    scales = [norm_scale(norm, width) for norm in norms]
+    split = projs[-1][0].out_features  # K columns, then V columns
+    moments = _AllCutMoments(cuts, num_layers, width, split + projs[-1][1].out_features)
+    digest, tokens = hashlib.sha256(), 0
+    for ids in batches:
+        digest.update(ids.numpy().tobytes())
+        tokens += ids.numel()
+        hidden = [h.flatten(0, 1) for h in model.get_decoder()(ids, output_hidden_states=True).hidden_states]
+        if tokens == ids.numel():
+            _check_factorises(norms[-1], hidden[cuts[0]], scales[-1], eps)  # a pair the fits use
+        targets = {}
+        for l in range(cuts[0] + 1, num_layers):
+            x_true = norms[l](hidden[l])
+            targets[l] = torch.cat([p(x_true) for p in projs[l]], dim=1).double()
+        moments.add({c: rms_unit(hidden[c], eps) for c in cuts}, targets)
+        if progress is not None:
+            progress(ids.numel())
+    if tokens == 0:
+        raise ValueError("no calibration tokens: give a non-empty corpus")
+    return {c: KVFit(CalibrationInfo(c, num_layers, ridge, tokens, digest.hexdigest()),
+                     _solve_cut(moments, c, scales, projs, split, ridge)) for c in cuts}
+
+
+def _solve_cut(moments: _AllCutMoments, cut: int, scales, projs, split: int, ridge: float):
+    weights: dict[int, dict[str, Projection]] = {}
+    for layer in range(cut + 1, moments.num_layers):
+        for part, proj, cols in zip(PARTS, projs[layer], (slice(0, split), slice(split, None))):
+            bias = proj.bias is not None
+            xtx, xty = moments.moments(cut, layer, scales[layer], bias)
+            weights.setdefault(layer, {})[part] = ridge_solve(xtx, xty[:, cols], ridge, bias)
+    return weights
 
 
 def save_fit(fit: KVFit, path: str | Path) -> None:
