@@ -9,7 +9,7 @@ import torch
 
 from popcompile.cli import build_parser
 from popcompile.commands.evaluate import cmd_eval
-from popcompile import eval_data, evaluate, reference
+from popcompile import eval_data, evaluate, humaneval, reference, sweep
 from popcompile.reference import Variant
 from tiny import tiny_model
 
@@ -104,9 +104,54 @@ def test_sweep_has_one_row_per_cut(model, docs):
     assert evaluate.sweep_cuts(30) == list(range(30, 14, -1)) and evaluate.sweep_cuts(5) == [5, 4, 3]
     rows = evaluate.sweep(model, docs[:2])
     assert [r["cut"] for r in rows] == evaluate.sweep_cuts(LAYERS) == [4, 3, 2]
+    assert {r["variant"] for r in rows} == {"pop"}
     assert rows[0]["agreement"] == 1.0 and rows[0]["speedup_bound"] == pytest.approx(1.0)
+    assert rows[1]["agreement"] == 1.0  # cut L-1: the one pruned layer reads h_{L-1} in POP too
     assert rows[-1]["speedup_bound"] > rows[1]["speedup_bound"] > 1.0
-    assert evaluate.auto_cut(rows, 1.0) <= LAYERS
+    assert evaluate.auto_cut(rows, 1.0) == 3
+
+
+def test_sweep_draws_both_curves_and_reuses_pop_where_nothing_is_refitted(model, docs):
+    asked = []
+
+    def fit(cut):
+        asked.append(cut)
+        return _tiny_fit(model)(cut)
+    rows = sweep.sweep(model, docs[:3], variants=["pop", "pop-kvfit"], kv_fit=fit)
+    assert [(r["variant"], r["cut"]) for r in rows] == [("pop", 4), ("pop", 3), ("pop", 2),
+                                                        ("pop-kvfit", 4), ("pop-kvfit", 3), ("pop-kvfit", 2)]
+    assert asked == [2]  # cuts L and L-1 have nothing to refit
+    pop, kvfit = rows[:3], rows[3:]
+    assert kvfit[0]["nll"] == pop[0]["nll"] and kvfit[1]["nll"] == pop[1]["nll"]
+    assert kvfit[2]["nll"] != pop[2]["nll"] and kvfit[2]["speedup_bound"] == pop[2]["speedup_bound"]
+    assert evaluate.auto_cuts(rows, [1.0])["pop-kvfit"]["1.0"] == 3
+    with pytest.raises(ValueError, match="needs kv_fit"):
+        sweep.sweep(model, docs[:1], variants=["pop-kvfit"])
+    with pytest.raises(ValueError, match="the sweep runs"):
+        sweep.sweep(model, docs[:1], variants=["shortgpt"])
+
+
+def test_choose_cut_returns_the_deepest_cut_keeping_agreement(model):
+    from popcompile.models import LoadedModel, ModelSource
+
+    loaded = LoadedModel(model, CharTokenizer(), ModelSource("tiny", "folder", "tiny", None))
+    cut, figures = sweep.choose_cut(loaded, 1.0, limit=2, prefix_len=24, cont_len=8)
+    assert cut == LAYERS - 1 and figures["agreement"] == 1.0 and figures["variant"] == "pop"
+    assert [p["cut"] for p in figures["curve"]] == [4, 3, 2] and figures["documents"] == 2
+    json.dumps(figures)
+    cut, figures = sweep.choose_cut(loaded, 0.0, limit=2, prefix_len=24, cont_len=8)
+    assert cut == 2 and figures["speedup_bound"] > 1.0
+    with pytest.raises(ValueError, match="out of range"):
+        sweep.choose_cut(loaded, 1.5)
+
+
+def test_last_row_prefill_matches_the_reference(model, docs):
+    prefix = torch.tensor([d.prefix for d in docs[:3]])
+    target = torch.tensor([d.continuation for d in docs[:3]])
+    for variant in (Variant(LAYERS), Variant(2), Variant(2, boundary=False), Variant(2, kv_projection=False)):
+        ours = evaluate.continuation_logits(model, prefix, target, variant)
+        ref = reference.continuation_logits(model, prefix, target, variant)
+        assert ours.shape == ref.shape and torch.allclose(ours, ref, atol=1e-5, rtol=0), variant
 
 
 def test_auto_cut_picks_deepest_cut_that_keeps_agreement():
@@ -125,8 +170,8 @@ def test_auto_cut_picks_deepest_cut_that_keeps_agreement():
 def test_generation_and_early_stopping_match_reference(model):
     prompt = torch.tensor([[5, 17, 3, 44, 9, 60]])
     ref = reference.generate(model, prompt, 12, Variant(2))
-    assert evaluate.generate_until(model, prompt, Variant(2), 12) == ref
-    assert evaluate.generate_until(model, prompt, Variant(2), 12, stop=lambda t: len(t) == 5) == ref[:5]
+    assert humaneval.generate_until(model, prompt, Variant(2), 12) == ref
+    assert humaneval.generate_until(model, prompt, Variant(2), 12, stop=lambda t: len(t) == 5) == ref[:5]
     variants = evaluate.make_variants(["pop", "shortgpt"], cut=2, num_layers=LAYERS)
     scores = evaluate.generation_eval(model, [[5, 17, 3, 44, 9, 60], [1, 2, 3]], variants, max_new_tokens=8)
     assert scores["full"]["exact_match"] == 1.0 and scores["full"]["matched_prefix"] == 8.0
@@ -197,11 +242,13 @@ def test_reports_and_plots(tmp_path):
                          "generation": {"prompts": 2, "max_new_tokens": 8, "variants": {
                              n: {"exact_match": 0.5, "matched_prefix": 3.0, "mean_length": 8.0}
                              for n in evaluate.VARIANTS}}},
-               "sweep": {"documents": 2, "auto_cut": {"0.95": 4}, "rows": [
-                   {"cut": c, "pruned_layers": 4 - c, "speedup_bound": 1 + (4 - c) / 10, "nll": 2.0 + (4 - c),
-                    "perplexity": 1.0, "agreement": 1 - (4 - c) / 10} for c in (4, 3, 2)]}}
+               "sweep": {"documents": 2, "auto_cut": {"pop": {"0.95": 4}, "pop-kvfit": {"0.95": 3}}, "rows": [
+                   {"variant": v, "cut": c, "pruned_layers": 4 - c, "speedup_bound": 1 + (4 - c) / 10,
+                    "nll": 2.0 + (4 - c), "perplexity": 1.0, "agreement": 1 - (4 - c) / 10}
+                   for v in ("pop", "pop-kvfit") for c in (4, 3, 2)]}}
     text = evaluate.report(results)
-    assert "pop-no-boundary" in text and "auto cut" in text
+    assert "pop-no-boundary" in text and "auto cut (pop-kvfit): agreement >= 0.95: 3" in text
+    assert "pop-kvfit agree" in text
     evaluate.plot_quality(results, tmp_path / "quality.png")
     evaluate.plot_sweep(results, tmp_path / "sweep.png")
     assert (tmp_path / "quality.png").stat().st_size > 1000 and (tmp_path / "sweep.png").stat().st_size > 1000
@@ -218,3 +265,75 @@ def test_cli_options_parse(tmp_path):
         evaluate.parse_tasks("continuation,bogus", False)
     with pytest.raises(SystemExit):  # --cut and --prune-ratio exclude each other
         parser.parse_args(["eval", "m", "--cut", "3", "--prune-ratio", "0.3", "--out", str(tmp_path)])
+
+
+# --- HumanEval prompt formats and code extraction (real HumanEval problems, replies written like a chat model's) ---
+
+@pytest.fixture(scope="module")
+def problems():
+    return {p["task_id"]: p for p in eval_data.humaneval_problems()}
+
+
+def _passes(problem, completion):
+    return eval_data.run_subprocess(problem, completion, 10.0)["passed"]
+
+
+def test_chat_reply_with_a_full_function_and_extra_code(problems):
+    p = problems["HumanEval/0"]
+    reply = ("Here is the completed function:\n\n```python\nfrom typing import List\n\n\n"
+             "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + p["canonical_solution"]
+             + "\n\nprint(has_close_elements([1.0, 2.0], 0.5))\nassert False\n```\n\nIt compares every pair.")
+    completion = humaneval.extract_code(reply, p)
+    assert completion.startswith("\nfrom typing import List\n\ndef has_close_elements(")
+    assert "print(" not in completion and "assert False" not in completion and "compares" not in completion
+    assert _passes(p, completion)
+    assert not _passes(p, humaneval.extract_code(reply.replace("< threshold", "> threshold"), p))
+
+
+def test_chat_reply_with_a_body_only(problems):
+    p = problems["HumanEval/2"]
+    assert humaneval.extract_code("```python\n" + p["canonical_solution"] + "```", p) == p["canonical_solution"]
+    assert _passes(p, humaneval.extract_code("```python\n" + p["canonical_solution"] + "```", p))
+    unfenced = humaneval.extract_code("return number % 1.0", p)  # a body written at column 0
+    assert unfenced == "    return number % 1.0\n" and _passes(p, unfenced)
+
+
+def test_chat_reply_cut_by_the_token_limit_and_several_blocks(problems):
+    p = problems["HumanEval/23"]
+    cut_short = "```python\ndef strlen(string: str) -> int:\n    return len(string)\n\n\ndef helper(x):\n    return (x +"
+    completion = humaneval.extract_code(cut_short, p)
+    assert completion == "\ndef strlen(string: str) -> int:\n    return len(string)\n" and _passes(p, completion)
+    two_blocks = "Usage:\n```\n>>> strlen('abc')\n3\n```\nCode:\n```python\ndef strlen(s):\n    return len(s)\n```"
+    assert humaneval.code_block(two_blocks, "strlen") == "def strlen(s):\n    return len(s)\n"
+    assert _passes(p, humaneval.extract_code(two_blocks, p))
+    assert not _passes(p, humaneval.extract_code("I am sorry, I cannot help with that.", p))
+
+
+def test_helper_defined_in_the_prompt_stays_available(problems):
+    p = problems["HumanEval/10"]  # make_palindrome calls is_palindrome, which only the prompt defines
+    assert "def is_palindrome" in p["prompt"] and "is_palindrome" in p["canonical_solution"]
+    reply = "```python\ndef make_palindrome(string: str) -> str:\n" + p["canonical_solution"] + "```"
+    assert _passes(p, humaneval.extract_code(reply, p))
+
+
+def test_chat_stop_rule_and_prompt_formats(problems):
+    assert not humaneval.chat_reply_finished("Sure!\n```python\ndef f():\n")
+    assert humaneval.chat_reply_finished("Sure!\n```python\ndef f():\n    pass\n```")
+    assert not humaneval.chat_reply_finished("no code here")
+    assert humaneval.resolve_format(CharTokenizer(), "auto") == "raw"
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        humaneval.resolve_format(CharTokenizer(), "chat")
+    with pytest.raises(ValueError, match="unknown HumanEval prompt format"):
+        humaneval.resolve_format(CharTokenizer(), "fim")
+
+    class ChatTokenizer(CharTokenizer):
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return f"<user>{messages[0]['content']}<assistant>"
+    p = problems["HumanEval/23"]
+    assert humaneval.resolve_format(ChatTokenizer(), "auto") == "chat"
+    chat = humaneval.prompt_ids(ChatTokenizer(), p, "chat")
+    assert chat == CharTokenizer()(f"<user>{humaneval.CHAT_INSTRUCTION.format(prompt=p['prompt'])}<assistant>")[
+        "input_ids"]
+    assert humaneval.prompt_ids(ChatTokenizer(), p, "raw") == CharTokenizer()(p["prompt"])["input_ids"]

@@ -1,0 +1,122 @@
+"""The trade-off curve: POP's quality at every cut against the FLOP bound, and the cut choice from it.
+
+``sweep`` runs the continuation task (``evaluate.continuation_eval``) for ``pop`` and/or ``pop-kvfit``
+at every cut from L down to ceil(L/2); each row carries the prefill FLOP-bound speedup of its cut at
+the prefix length. ``auto_cut`` picks the deepest-pruning cut that keeps a given top-1 agreement;
+``choose_cut`` does both on the built-in evaluation data for ``popcompile export --cut auto``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from . import eval_data
+from .reference import Variant
+
+SWEEP_VARIANTS = ("pop", "pop-kvfit")
+METRICS = ("nll", "perplexity", "agreement", "accuracy", "kl_to_full")
+DATA_NAME = "continuation: stdlib sources + HumanEval solutions (eval_data.continuation_documents)"
+
+
+def sweep_cuts(num_layers: int) -> list[int]:
+    """L, L-1, ..., ceil(L/2)."""
+    return list(range(num_layers, math.ceil(num_layers / 2) - 1, -1))
+
+
+def _sweep_variants(names: Iterable[str], cuts: list[int], layers: int,
+                    kv_fit: Callable[[int], Any] | None) -> tuple[dict[str, Variant], dict[tuple[str, int], str]]:
+    """Unique variants to score and (name, cut) -> key of its scores. pop-kvfit at cut >= L-1 has
+    nothing to refit (layer L-1 reads h_{L-1} anyway), so it reuses pop's row of that cut."""
+    variants, keys = {"full": Variant(cut=layers)}, {}
+    for name in names:
+        if name not in SWEEP_VARIANTS:
+            raise ValueError(f"the sweep runs {', '.join(SWEEP_VARIANTS)}, not {name!r}")
+        if name == "pop-kvfit" and kv_fit is None:
+            raise ValueError("a pop-kvfit sweep needs kv_fit (cut -> POP+ weights)")
+        for cut in cuts:
+            refit = name == "pop-kvfit" and cut < layers - 1
+            key = f"{name}@{cut}" if refit else f"pop@{cut}"
+            if key not in variants:
+                variants[key] = Variant(cut, kv_weights=kv_fit(cut)) if refit else Variant(cut)
+            keys[(name, cut)] = key
+    return variants, keys
+
+
+def sweep(model, docs: list[eval_data.Document], cuts: list[int] | None = None, batch_size: int | None = None,
+          variants: Iterable[str] = ("pop",), kv_fit: Callable[[int], Any] | None = None) -> list[dict]:
+    """One row per (variant, cut): the continuation scores and ``speedup_bound`` (FLOP bound at the
+    prefix length), in the order of ``variants`` then ``cuts`` (default L..ceil(L/2))."""
+    from .cost import speedup_bound
+    from .evaluate import continuation_eval
+    from .reference import decoder_layers
+
+    layers = len(decoder_layers(model))
+    cuts = sweep_cuts(layers) if cuts is None else list(cuts)
+    names = list(dict.fromkeys(variants))
+    to_score, keys = _sweep_variants(names, cuts, layers, kv_fit)
+    scores = continuation_eval(model, docs, to_score, batch_size, desc="sweep")
+    n = len(docs[0].prefix)
+    return [{"variant": name, "cut": c, "pruned_layers": layers - c, "speedup_bound": speedup_bound(model.config, n, c),
+             **{k: scores[keys[(name, c)]][k] for k in METRICS}} for name in names for c in cuts]
+
+
+def auto_cut(rows: list[dict], min_agreement: float, variant: str | None = None) -> int:
+    """The deepest-pruning (smallest) cut among ``rows`` (of ``variant``, if given) whose
+    ``agreement >= min_agreement``."""
+    if not 0.0 <= min_agreement <= 1.0:
+        raise ValueError(f"min_agreement={min_agreement} is out of range: use 0..1")
+    rows = [r for r in rows if variant is None or r.get("variant", "pop") == variant]
+    ok = [row["cut"] for row in rows if row["agreement"] >= min_agreement]
+    if not ok:
+        best = max(rows, key=lambda r: r["agreement"], default=None)
+        found = f"best is {best['agreement']:.3f} at cut {best['cut']}" if best else "no rows"
+        raise ValueError(f"no cut reaches agreement {min_agreement} ({found}): lower --min-agreement")
+    return min(ok)
+
+
+def auto_cuts(rows: list[dict], thresholds: Iterable[float]) -> dict[str, dict[str, int | None]]:
+    """``{variant: {threshold: cut or None}}`` for the variants present in ``rows``."""
+    picks: dict[str, dict[str, int | None]] = {}
+    for name in dict.fromkeys(r.get("variant", "pop") for r in rows):
+        picks[name] = {}
+        for threshold in sorted(set(thresholds)):
+            try:
+                picks[name][str(threshold)] = auto_cut(rows, threshold, name)
+            except ValueError:
+                picks[name][str(threshold)] = None
+    return picks
+
+
+def choose_cut(model: Any, min_agreement: float, *, kv_calibration: bool = False, limit: int | None = 12,
+               prefix_len: int = 512, cont_len: int = 48, batch_size: int | None = None) -> tuple[int, dict]:
+    """The deepest-pruning cut whose top-1 agreement with the full model is >= ``min_agreement`` on the
+    built-in continuation data, and the figures to record (a small JSON-able dict).
+
+    ``model``: a shipped name / path (loaded here) or a ``models.LoadedModel``. ``kv_calibration``:
+    score ``pop-kvfit`` (POP+ weights fitted on the built-in calibration corpus, every cut in one pass)
+    instead of ``pop``: choose it when the engine will be exported with ``--kv-calibration auto``.
+    Cost: one continuation pass per cut L..ceil(L/2) over ``limit`` documents (SmolLM2, 12 documents:
+    about 10 minutes on 2 CPU cores). Raises ValueError when no cut reaches the agreement.
+    """
+    from .evaluate import default_kv_fit
+    from .models import load_model
+    from .reference import decoder_layers
+
+    if not 0.0 <= min_agreement <= 1.0:
+        raise ValueError(f"min_agreement={min_agreement} is out of range: use 0..1")
+    loaded = load_model(model) if isinstance(model, (str, Path)) else model
+    layers = len(decoder_layers(loaded.model))
+    docs, _ = eval_data.continuation_documents(loaded.tokenizer, prefix_len, cont_len, limit)
+    name = "pop-kvfit" if kv_calibration else "pop"
+    kv_fit = default_kv_fit(loaded, sweep_cuts(layers)) if kv_calibration else None
+    rows = sweep(loaded.model, docs, batch_size=batch_size, variants=[name], kv_fit=kv_fit)
+    cut = auto_cut(rows, min_agreement, name)
+    row = next(r for r in rows if r["cut"] == cut)
+    figures = {"min_agreement": min_agreement, "variant": name, "cut": cut,
+               "agreement": round(row["agreement"], 4), "nll": round(row["nll"], 4),
+               "perplexity": round(row["perplexity"], 3), "speedup_bound": round(row["speedup_bound"], 4),
+               "nll_full": round(next(r["nll"] for r in rows if r["cut"] == layers), 4),  # pop at cut L = full
+               "data": DATA_NAME, "documents": len(docs), "prefix_len": prefix_len, "cont_len": cont_len,
+               "curve": [{"cut": r["cut"], "agreement": round(r["agreement"], 4)} for r in rows]}
+    return cut, figures
