@@ -44,6 +44,10 @@ class EngineManifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+    # Written by `popcompile build-trt` (exporters/tensorrt.py, TrtSection): plans, TensorRT version, GPU
+    # compute capability and optimization profiles. Empty for a folder without TensorRT engines; older
+    # manifests have no such key and read as empty.
+    tensorrt: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut <= self.num_layers:

@@ -1,0 +1,114 @@
+"""``popcompile build-trt``: TensorRT plans for an ONNX engine folder (needs an NVIDIA GPU and tensorrt).
+
+Also the pieces the export and run commands use for TensorRT: ``add_build_options`` and
+``export_tensorrt`` (``export --target tensorrt``), ``add_runtime_options`` and ``open_session``
+(``run --runtime tensorrt``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from ..exporters.tensorrt import PRECISIONS, TrtBuildConfig
+
+BUILD_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan", "write manifest")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build-trt", help="build TensorRT engines for an engine folder (NVIDIA GPU)",
+                       description="Build prefill.plan and decode.plan from the folder's two ONNX graphs with "
+                                   "TensorRT and record them, the TensorRT version, the GPU and the optimization "
+                                   "profiles in its manifest. Kernel timings are kept in timing.cache there, so a "
+                                   "rebuild is fast.")
+    p.add_argument("engine", type=Path, help="engine folder written by `popcompile export`")
+    add_build_options(p)
+    p.add_argument("--force", action="store_true", help="rebuild even when the plans are up to date")
+    p.add_argument("--json", action="store_true", help="print the manifest's tensorrt section as JSON")
+    p.set_defaults(handler=cmd_build_trt)
+
+
+def add_build_options(parser) -> None:
+    """TensorRT build options, shared by `build-trt` and `export --target tensorrt`."""
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                        help="fp32 (strongly typed, TF32 off: the CPU's numbers), fp16 or bf16 (TensorRT may run "
+                             "layers at that precision; default bf16: fp16 can overflow in RMSNorm)")
+    parser.add_argument("--workspace-gb", type=float, default=4.0,
+                        help="GPU memory TensorRT may use for layer workspace while building and running (default 4)")
+    parser.add_argument("--opt-seq", type=int, default=1024,
+                        help="prompt length the kernels are tuned for (default 1024; any shorter than the folder's --max-seq works)")
+    parser.add_argument("--max-batch", type=int, default=1, help="most prompts per generate call (default 1)")
+
+
+def build_config(args) -> TrtBuildConfig:
+    return TrtBuildConfig(precision=args.precision, workspace_gb=args.workspace_gb, opt_seq=args.opt_seq,
+                          max_batch=args.max_batch)
+
+
+def build(folder: Path, config: TrtBuildConfig, *, force: bool):
+    """build_engines with a progress bar on stderr; returns the manifest's new tensorrt section."""
+    from tqdm import tqdm
+
+    from ..exporters.tensorrt import build_engines
+
+    with tqdm(total=len(BUILD_STEPS), desc="build-trt", unit="step", file=sys.stderr, disable=None) as bar:
+        def progress(name: str) -> None:
+            if bar.n or name != BUILD_STEPS[0]:
+                bar.update(1)
+            bar.set_description(name)
+
+        section = build_engines(folder, config, progress=progress, force=force)
+        bar.update(bar.total - bar.n)
+    return section
+
+
+def cmd_build_trt(args) -> None:
+    section = build(args.engine, build_config(args), force=args.force)
+    print(json.dumps(asdict(section), indent=2) if args.json else summary(args.engine, section))
+
+
+def summary(folder: Path, section) -> str:
+    plans = ", ".join(f"{p['file']} {p['bytes'] / 2**20:.1f} MiB ({section.build_seconds.get(name, 0):.0f} s)"
+                      for name, p in section.plans.items())
+    names = {engine: [p["name"] for p in profiles] for engine, profiles in section.profiles.items()}
+    return (f"{folder}: TensorRT {section.tensorrt_version} on {section.gpu} (compute capability "
+            f"{section.compute_capability}), {section.precision}, max batch {section.max_batch}\n"
+            f"  plans: {plans}\n  profiles: prefill {names['prefill']}, decode {names['decode']}; "
+            f"decode KV binding {section.decode_kv}\n"
+            f"  run: popcompile run {folder} --runtime tensorrt --prompt \"...\"")
+
+
+def export_tensorrt(args, export_onnx: Callable[[], object]):
+    """`export --target tensorrt`: fail before the long ONNX export when TensorRT cannot run here, then export
+    (``export_onnx()``, the command's own ONNX path into ``args.out``) and build the plans into that folder."""
+    from ..exporters.tensorrt_compat import require_gpu
+
+    require_gpu()
+    config = build_config(args)  # validated before the export too
+    export_onnx()
+    return build(args.out, config, force=True)
+
+
+def add_runtime_options(parser) -> None:
+    """`run --runtime {onnxruntime,tensorrt}` and the TensorRT runtime's options."""
+    parser.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                        help="onnxruntime (default; --provider picks CPU/CUDA/TensorRT EP) or tensorrt "
+                             "(the folder's TensorRT plans from `popcompile build-trt`; NVIDIA GPU)")
+    parser.add_argument("--kv-binding", choices=["auto", "static", "gather"], default="auto",
+                        help="TensorRT: how decode steps see the KV buffer (auto: static unless the model has "
+                             "sliding-window layers; see docs/tensorrt.md)")
+    parser.add_argument("--cuda-graph", action="store_true", help="TensorRT: replay decode steps as a CUDA graph "
+                                                                 "(static KV binding)")
+
+
+def open_session(args):
+    """The session `run` generates with: PopSession (onnxruntime) or TrtSession (tensorrt)."""
+    if getattr(args, "runtime", "onnxruntime") == "tensorrt":
+        from ..runtime.trt import TrtSession
+
+        return TrtSession(args.engine, kv_binding=args.kv_binding, cuda_graph=args.cuda_graph)
+    from ..runtime.ort import PopSession
+
+    return PopSession(args.engine, provider=args.provider, threads=args.threads)
