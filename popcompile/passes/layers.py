@@ -1,9 +1,11 @@
 """Find decoder layers and their parts in an exported graph, from node metadata alone.
 
-Every call node exported by torch.export carries ``meta["nn_module_stack"]``: the chain of modules
-it ran inside, innermost last, each as ``(path, type)``. A path such as
-``model.model.layers.7.self_attn.k_proj`` gives the layer index (7) and the part inside the layer
-(``self_attn.k_proj``). No model class or architecture name is consulted.
+Every call node made by torch.export or by dynamo carries ``meta["nn_module_stack"]``: the chain of
+modules it ran inside, innermost last, each as ``(path, type)``. A path such as
+``model.model.layers.7.self_attn.k_proj`` (torch.export) or ``L['self'].model.layers.7.self_attn.k_proj``
+(dynamo) gives the layer index (7) and the part inside the layer (``self_attn.k_proj``). No model class
+or architecture name is consulted. Dynamo graphs also hold ``call_method`` nodes and take parameters
+as placeholders; both are handled.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.fx as fx
 
 _LAYER_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.(.+))?$")
 INPUT_NORM = "input_layernorm"
+_CALLS = ("call_function", "call_method")
 
 
 def module_path(node: fx.Node) -> str:
@@ -62,7 +65,7 @@ def find_layers(graph: fx.Graph) -> list[Layer]:
     """
     layers: dict[int, Layer] = {}
     for node in graph.nodes:
-        found = layer_part(node) if node.op == "call_function" else None
+        found = layer_part(node) if node.op in _CALLS else None
         if found is not None:
             layers.setdefault(found[0], Layer(found[0])).nodes.append(node)
     ordered = [layers[i] for i in sorted(layers)]
@@ -81,7 +84,7 @@ def _norm_input(layer: Layer) -> fx.Node:
         arg
         for node in norm_nodes
         for arg in node.all_input_nodes
-        if arg not in norm_nodes and arg.op != "get_attr"
+        if arg not in norm_nodes and arg.op not in ("get_attr", "placeholder")  # weights, eps
     }
     if len(outside) != 1:
         names = sorted(a.name for a in outside)

@@ -26,13 +26,13 @@ same cost: only the ``linear`` nodes' weight and bias inputs change.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from .layers import INPUT_NORM, find_layers, module_path
+from .layers import INPUT_NORM, Layer, find_layers, module_path
 
 DEFAULT_PRUNE_RATIO = 1 / 3
 
@@ -84,16 +84,14 @@ def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) 
     _drop_logits(gm.graph)
     if cut < len(layers):
         h_cut = layers[cut].input
-        for layer in layers[cut + 1:]:
-            for node in layer.nodes_in(INPUT_NORM):
-                node.replace_input_with(layer.input, h_cut)
+        rewire_deep_layers(layers, cut, lambda layer: h_cut)
     for index, projections in (kv_weights or {}).items():
         if not cut <= index < len(layers):
             raise ValueError(f"kv_weights for layer {index}: only pruned layers {cut}..{len(layers) - 1} take them")
         for name, projection in projections.items():
             _replace_projection(gm, layers[index], name, projection)
     _erase_metadata_asserts(gm.graph)
-    gm.graph.eliminate_dead_code(is_impure_node=_has_side_effect)
+    eliminate_dead_code(gm.graph)
     # Flat positional inputs and a flat tuple of outputs: the prefill graph's own interface.
     gm.graph._codegen = fx.graph.CodeGen()
     gm.graph.lint()
@@ -101,10 +99,17 @@ def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) 
     return PopResult(gm, cut, len(layers), modified=True)
 
 
+def rewire_deep_layers(layers: list, cut: int, source: Callable[[Layer], fx.Node]) -> None:
+    """The core of POP: the input norm of every layer ``l > cut`` reads ``source(layer)`` (``h_cut``)
+    instead of the previous layer's output, so its K/V are projections of that state."""
+    for layer in layers[cut + 1:]:
+        for node in layer.nodes_in(INPUT_NORM):
+            node.replace_input_with(layer.input, source(layer))
+
+
 def _replace_projection(gm: fx.GraphModule, layer, name: str, projection: Projection) -> None:
     """Point the layer's ``<name>`` linear node at new weight (and bias) attributes of ``gm``."""
-    linears = [n for n in layer.nodes if n.target is torch.ops.aten.linear.default
-               and module_path(n).endswith(f"self_attn.{name}")]
+    linears = [n for n in layer.nodes if n.target in LINEAR and module_path(n).endswith(f"self_attn.{name}")]
     if len(linears) != 1:
         raise ValueError(f"layer {layer.index}: expected one linear node in self_attn.{name}, found {len(linears)}")
     node = linears[0]
@@ -132,13 +137,25 @@ def _drop_logits(graph: fx.Graph) -> None:
     output.args = (tuple(outputs[1:]),)
 
 
-def _has_side_effect(node: fx.Node) -> bool:
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """fx's DCE with :func:`has_side_effect` as the purity test."""
+    graph.eliminate_dead_code(is_impure_node=has_side_effect)
+
+
+def has_side_effect(node: fx.Node) -> bool:
     """DCE's test. fx calls any nondeterministic op impure, so an unused SDPA (which could do dropout)
-    would survive; an ATen op is kept here only if its schema mutates an input or it is an assert."""
+    would survive; an ATen op is kept here only if its schema mutates an input or it is an assert.
+    fx calls every ``call_method`` pure, which would drop dynamo's in-place cache writes
+    (``keys.index_copy_(...)``): an in-place method (trailing underscore) is kept here."""
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable or node.target in _ASSERTS
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__") or node.target == "__setitem__"
     return node.is_impure()
 
+
+#: a linear projection in an ATen graph (torch.export) or a torch-level graph (dynamo)
+LINEAR = (torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
 
 _ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
 

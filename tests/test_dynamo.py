@@ -1,0 +1,215 @@
+"""torch.compile(backend="pop"): generate() equals the eager POP reference; decode graphs untouched."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from popcompile import reference
+from popcompile.arch import ARCHITECTURES
+from popcompile.dynamo import PopBackend, PopFallbackWarning, PopOptions
+from popcompile.passes.layers import layer_part
+
+TOL = 1e-5  # fp32, same kernels, different op order (last-position copies)
+PROMPT_LEN, NEW = 11, 5
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from scratch: dynamo's caches are per code object, and every HF model's
+    forward goes through the same transformers decorator, so tests would see each other's graphs."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Recorder:
+    """An inner backend that keeps the graphs it is given and runs them eagerly."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def compiled_generate(model, ids, backend, *, dynamic=True, **kwargs):
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=dynamic)
+    try:
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    finally:
+        del model.forward  # back to the class's forward
+    return out.sequences[0, ids.shape[1]:].tolist(), [step[0] for step in out.logits]
+
+
+@torch.no_grad()
+def reference_logits(model, ids, variant, tokens):
+    run = reference.PopRun(model, variant, ids.shape[1])
+    logits, pos = [run.prefill(ids)[0]], ids.shape[1]
+    for token in tokens[:-1]:
+        logits.append(run.step(torch.tensor([[token]]), pos)[0, -1])
+        pos += 1
+    return logits
+
+
+def prompt(seed=1, length=PROMPT_LEN):
+    return torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_generate_equals_pop_reference(arch):
+    model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
+    recorder = Recorder()
+    backend = PopBackend(PopOptions(cut=cut, inner=recorder))
+    tokens, logits = compiled_generate(model, ids, backend, cache_implementation="static")
+    expected = reference_logits(model, ids, reference.Variant(cut), tokens)
+    full = reference_logits(model, ids, reference.Variant(6), tokens)
+    for got, want in zip(logits, expected):
+        assert (got - want).abs().max() < TOL
+    assert (logits[0] - full[0]).abs().max() > 1e-3, "POP must differ from the full model here"
+    kinds = [r.kind for r in backend.records]
+    assert kinds[0] == "prefill-pop" and set(kinds[1:]) == {"decode"}
+    assert all(r.nodes_after == r.nodes_before for r in backend.records if r.kind == "decode")
+
+
+def test_prefill_graph_runs_deep_layers_on_the_last_position_only():
+    model, ids, cut = tiny_model("llama", layers=6), prompt(), 3
+    recorder = Recorder()
+    compiled_generate(model, ids, PopBackend(PopOptions(cut=cut, inner=recorder)), cache_implementation="static")
+    prefill = recorder.graphs[0]
+    linears = {}
+    for node in prefill.graph.nodes:
+        found = layer_part(node)
+        if found and getattr(node.target, "__name__", "") == "linear":
+            linears.setdefault(found[0], []).append((found[1], node.name.endswith("_last")))
+    for index, projections in linears.items():
+        last = sorted(part for part, is_last in projections if is_last)
+        whole = sorted(part for part, is_last in projections if not is_last)
+        if index < cut:  # untouched
+            assert not last and len(whole) == 7
+        else:  # K/V over all positions; q, o and the MLP on x_N alone
+            assert whole == ["self_attn.k_proj", "self_attn.v_proj"]
+            assert last == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj"]
+
+
+def test_cut_at_depth_equals_plain_generate():
+    model, ids = tiny_model("qwen3", layers=4), prompt()
+    plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, cache_implementation="static")
+    tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=4, inner="eager")),
+                                       cache_implementation="static")
+    assert tokens == plain.sequences[0, PROMPT_LEN:].tolist()
+    for got, want in zip(logits, plain.logits):
+        assert (got - want[0]).abs().max() < TOL
+
+
+def test_default_dynamic_cache_works_too():
+    model, ids, cut = tiny_model("llama", layers=6), prompt(), 3
+    tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=cut, inner="eager")))
+    expected = reference_logits(model, ids, reference.Variant(cut), tokens)
+    assert max((g - w).abs().max() for g, w in zip(logits, expected)) < TOL
+
+
+def test_another_prompt_length_does_not_recompile():
+    model, cut = tiny_model("llama", layers=6), 3
+    backend = PopBackend(PopOptions(cut=cut, inner="eager"))
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
+    torch._dynamo.utils.counters.clear()
+    model.generate(prompt(1, 11), max_new_tokens=NEW, do_sample=False, cache_implementation="static")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = len(backend.records)
+    model.generate(prompt(2, 17), max_new_tokens=NEW, do_sample=False, cache_implementation="static")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert len(backend.records) == compiled  # neither the decode nor the prefill graph was compiled again
+    del model.forward
+
+
+def test_non_decoder_module_falls_back_and_warns_once():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    backend = PopBackend(PopOptions(inner="eager"))
+    compiled = torch.compile(mlp, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (3, 5, 7):
+            x = torch.randn(batch, 8)
+            assert torch.equal(compiled(x), mlp(x))
+    ours = [w for w in caught if issubclass(w.category, PopFallbackWarning)]
+    assert len(ours) == 1 and "no decoder layers" in str(ours[0].message)
+
+
+def test_static_sequence_length_runs_unpruned_with_a_warning_naming_the_fix():
+    model, ids = tiny_model("llama", layers=6), prompt()
+    with pytest.warns(PopFallbackWarning, match="dynamic=True"):
+        tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=3, inner="eager")),
+                                           dynamic=False, cache_implementation="static")
+    full = reference_logits(model, ids, reference.Variant(6), tokens)
+    assert (logits[0] - full[0]).abs().max() < TOL
+
+
+def test_all_position_logits_run_the_full_graph():
+    model, ids = tiny_model("llama", layers=6), prompt()
+    backend = PopBackend(PopOptions(cut=3, inner="eager"))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with pytest.warns(PopFallbackWarning, match="logits_to_keep=1"):
+        got = compiled(ids).logits  # every position, as a training-style forward asks
+    with torch.no_grad():
+        assert (got - model(ids).logits).abs().max() < TOL
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="unknown options"):
+        PopOptions.from_dict({"prune": 0.3})
+    with pytest.raises(ValueError, match="not both"):
+        PopOptions(cut=3, prune_ratio=0.25)
+    with pytest.raises(ValueError, match="prune_ratio"):
+        PopOptions(prune_ratio=1.5)
+    assert PopOptions.from_dict({"prune_ratio": 0.5}).resolve_cut(30) == 15
+    assert PopOptions().resolve_cut(30) == 20
+
+
+def test_backend_name_resolves_without_importing_popcompile():
+    code = ("import sys, torch\n"
+            "from torch._dynamo import lookup_backend\n"
+            "backend = lookup_backend('pop')\n"
+            "print(type(backend).__module__, 'popcompile' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["popcompile.dynamo", "True"]  # loaded by torch through the entry point
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from popcompile.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def test_smollm2_generate_equals_eager_pop_token_for_token(smollm2):
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    text = ("The Python standard library's json module encodes and decodes JSON. To read a file, open it and "
+            "call json.load on the file object; to write one, call json.dump with the object and the file.")
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    cut = 20  # the default: 1/3 of 30 layers pruned
+    backend = PopBackend(PopOptions(inner="eager"))
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
+    try:
+        got = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="static")
+    finally:
+        del model.forward
+    want = reference.generate(model, ids, 16, reference.Variant(cut))
+    assert got[0, ids.shape[1]:].tolist() == want
+    assert backend.records[0].kind == "prefill-pop" and backend.records[0].cut == cut
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=PopBackend(PopOptions(cut=30, inner="eager")), dynamic=True)
+    try:
+        got_full = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="static")
+    finally:
+        del model.forward
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="static")
+    assert torch.equal(got_full, plain)
