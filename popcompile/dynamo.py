@@ -12,7 +12,8 @@ Registered through the ``torch_dynamo_backends`` entry point, so the name works 
   warning per reason.
 
 Options: ``torch.compile(model, backend="pop", dynamic=True, options={"prune_ratio": 1/3, "cut": None,
-"inner": "inductor"})``. ``dynamic=True`` gives dynamo's graphs a symbolic sequence length from the
+"inner": "inductor", "kv_calibration": None})`` (``kv_calibration``: POP+ weights from ``popcompile
+calibrate`` for the same cut, used for x_1..x_{N-1}). ``dynamic=True`` gives dynamo's graphs a symbolic sequence length from the
 first prompt on (without it the first prompt length is compiled static and runs unpruned).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import sympy
 import torch
@@ -41,6 +43,7 @@ class PopOptions:
     prune_ratio: float | None = None
     cut: int | None = None
     inner: str | Callable = "inductor"
+    kv_calibration: str | Path | None = None  # POP+: a file from `popcompile calibrate` (same cut)
 
     def __post_init__(self) -> None:
         if self.cut is not None and self.prune_ratio is not None:
@@ -49,15 +52,18 @@ class PopOptions:
             raise ValueError(f"pop backend: prune_ratio={self.prune_ratio} is out of range: use 0 <= prune_ratio < 1")
         if self.cut is not None and (isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1):
             raise ValueError(f"pop backend: cut={self.cut!r} must be a layer index >= 1")
+        if self.kv_calibration is not None and not Path(self.kv_calibration).is_file():
+            raise ValueError(f"pop backend: kv_calibration={self.kv_calibration!s} is not a file: "
+                             f"make one with `popcompile calibrate MODEL --out FILE`")
         if not (callable(self.inner) or isinstance(self.inner, str)):
             raise TypeError(f"pop backend: inner={self.inner!r} must be a backend name ('inductor', 'eager') or callable")
 
     @classmethod
     def from_dict(cls, options: Mapping | None) -> PopOptions:
         options = dict(options or {})
-        unknown = sorted(set(options) - {"prune_ratio", "cut", "inner"})
+        unknown = sorted(set(options) - {"prune_ratio", "cut", "inner", "kv_calibration"})
         if unknown:
-            raise ValueError(f"pop backend: unknown options {unknown}: use prune_ratio, cut, inner")
+            raise ValueError(f"pop backend: unknown options {unknown}: use prune_ratio, cut, inner, kv_calibration")
         return cls(**options)
 
     def resolve_cut(self, num_layers: int) -> int:
@@ -99,7 +105,7 @@ class PopBackend:
         cut, num_layers, logits_rows = plan
         pruned = fx.GraphModule(gm, _copy_graph(gm.graph))  # the pass rewrites a copy: gm stays whole
         try:
-            fold_boundary_pass(pruned, cut)
+            fold_boundary_pass(pruned, cut, _kv_weights(opts, cut, num_layers))
         except UnsupportedGraph as err:
             self._warn(str(err))
             self.records.append(GraphRecord("fallback", before, before, reason=str(err)))
@@ -162,6 +168,16 @@ class _Guarded:
         expr = self.rows.node.expr
         values = {sym: int(args[i]) for sym, i in self.symbols.items() if sym in expr.free_symbols}
         return bool(sympy.Eq(expr.subs(values), 1))
+
+
+def _kv_weights(opts: PopOptions, cut: int, num_layers: int):
+    if opts.kv_calibration is None or cut == num_layers:
+        return None
+    from .calibrate import check_fit, load_fit
+
+    fit = load_fit(opts.kv_calibration)
+    check_fit(fit, cut, num_layers)  # ValueError naming the cut to calibrate for
+    return fit.weights
 
 
 def _is_one(size) -> bool:

@@ -109,6 +109,34 @@ def test_cut_at_depth_equals_plain_generate():
         assert (got - want[0]).abs().max() < TOL
 
 
+def test_kv_calibration_equals_pop_plus_reference(tmp_path):
+    from popcompile.calibrate import fit_kv, save_fit
+
+    model, ids, cut = tiny_model("qwen2", layers=6), prompt(), 3  # qwen2: k/v projections with a bias
+    batches = [torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    with torch.no_grad():
+        fit = fit_kv(model, batches, cut)
+    save_fit(fit, tmp_path / "fit.safetensors")
+    backend = PopBackend(PopOptions(cut=cut, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors")))
+    tokens, logits = compiled_generate(model, ids, backend, cache_implementation="static")
+    expected = reference_logits(model, ids, reference.Variant(cut, kv_weights=fit.weights), tokens)
+    plain = reference_logits(model, ids, reference.Variant(cut), tokens)
+    assert max((g - w).abs().max() for g, w in zip(logits, expected)) < TOL
+    assert (expected[0] - plain[0]).abs().max() > 1e-4, "the refit must change something here"
+
+
+def test_kv_calibration_for_another_cut_is_an_error_naming_the_fix(tmp_path):
+    from popcompile.calibrate import fit_kv, save_fit
+
+    model, ids = tiny_model("llama", layers=6), prompt()
+    with torch.no_grad():
+        fit = fit_kv(model, [torch.randint(0, 97, (2, 24))], 4)
+    save_fit(fit, tmp_path / "fit.safetensors")
+    backend = PopBackend(PopOptions(cut=3, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors")))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="calibrate --cut 3"):
+        compiled_generate(model, ids, backend, cache_implementation="static")
+
+
 def test_default_dynamic_cache_works_too():
     model, ids, cut = tiny_model("llama", layers=6), prompt(), 3
     tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=cut, inner="eager")))

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from .layers import find_layers, layer_part, module_path
-from .pop import KVWeights, eliminate_dead_code, rewire_deep_layers
+from .pop import LINEAR, KVWeights, Projection, eliminate_dead_code, rewire_deep_layers, weight_constant
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 #: parts of a layer that only make the cache: never copied to the last position
@@ -56,8 +56,6 @@ class BoundaryResult:
 
 def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) -> BoundaryResult:
     """Rewrite a dynamo prefill graph in place (see module docstring). Raises UnsupportedGraph."""
-    if kv_weights:
-        raise UnsupportedGraph("kv_weights need separate projections for x_1..x_{N-1} and x_N: not supported here")
     layers = find_layers(gm.graph)
     if not layers:
         raise UnsupportedGraph("no decoder layers ('layers.<i>' modules) found")
@@ -80,6 +78,11 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
         copier.visit(node)
     _check_output(gm.graph, copier)
     rewire_deep_layers(layers, cut, lambda layer: kv_inputs.get(layer.index, h_cut))
+    for index, projections in (kv_weights or {}).items():
+        if not cut < index < len(layers):
+            raise ValueError(f"kv_weights for layer {index}: only layers {cut + 1}..{len(layers) - 1} take them")
+        for name, projection in projections.items():
+            _split_projection(gm, layers[index], name, projection, seq_dim)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -113,6 +116,30 @@ def _kv_input(graph: fx.Graph, before: fx.Node, h_cut: fx.Node, last: fx.Node, s
         index = (slice(None),) * seq_dim + (slice(None, -1),)
         head = graph.call_function(operator.getitem, (h_cut, index))
         return graph.call_function(torch.cat, ([head, last],), {"dim": seq_dim})
+
+
+def _split_projection(gm: fx.GraphModule, layer, name: str, projection: Projection, seq_dim: int) -> None:
+    """POP+: ``linear(x, W)`` -> ``cat(linear(x[:, :N-1], W'), linear(x[:, N-1:], W))``: the refit
+    weights serve the pruned positions, x_N (its true hidden state) keeps the model's own."""
+    found = [n for n in layer.nodes if n.target in LINEAR and module_path(n).endswith(f"self_attn.{name}")]
+    if len(found) != 1:
+        raise UnsupportedGraph(f"layer {layer.index}: expected one linear node in self_attn.{name}, found {len(found)}")
+    node = found[0]
+    graph, (x, *original) = gm.graph, node.args
+    prefix = f"pop_kv_{layer.index}_{name}"
+    with graph.inserting_before(node):
+        head = graph.call_function(operator.getitem, (x, (slice(None),) * seq_dim + (slice(None, -1),)))
+        tail = graph.call_function(operator.getitem, (x, (slice(None),) * seq_dim + (slice(-1, None),)))
+        dtype = original[0].meta["example_value"].dtype
+        refit = [weight_constant(gm, node, f"{prefix}_weight", projection.weight.to(dtype))]
+        if projection.bias is not None:
+            refit.append(weight_constant(gm, node, f"{prefix}_bias", projection.bias.to(dtype)))
+        pruned = graph.call_function(node.target, (head, *refit))
+        own = graph.call_function(node.target, (tail, *original), dict(node.kwargs))
+        joined = graph.call_function(torch.cat, ([pruned, own],), {"dim": seq_dim})
+    joined.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    node.replace_all_uses_with(joined)
+    graph.erase_node(node)
 
 
 class _LastPosition:

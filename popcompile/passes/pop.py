@@ -117,13 +117,13 @@ def _replace_projection(gm: fx.GraphModule, layer, name: str, projection: Projec
     if old_weight is not None and tuple(old_weight.shape) != tuple(projection.weight.shape):
         raise ValueError(f"layer {layer.index} {name}: weight shape {tuple(projection.weight.shape)} != "
                          f"{tuple(old_weight.shape)}")
-    args = [node.args[0], _constant(gm, node, f"pop_kv_{layer.index}_{name}_weight", projection.weight)]
+    args = [node.args[0], weight_constant(gm, node, f"pop_kv_{layer.index}_{name}_weight", projection.weight)]
     if projection.bias is not None:
-        args.append(_constant(gm, node, f"pop_kv_{layer.index}_{name}_bias", projection.bias))
+        args.append(weight_constant(gm, node, f"pop_kv_{layer.index}_{name}_bias", projection.bias))
     node.args = tuple(args)
 
 
-def _constant(gm: fx.GraphModule, before: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
+def weight_constant(gm: fx.GraphModule, before: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
     gm.register_buffer(name, value.detach().clone())
     with gm.graph.inserting_before(before):
         return gm.graph.get_attr(name)
