@@ -38,7 +38,8 @@ def add_build_options(parser) -> None:
     parser.add_argument("--workspace-gb", type=float, default=4.0,
                         help="GPU memory TensorRT may use for layer workspace while building and running (default 4)")
     parser.add_argument("--opt-seq", type=int, default=1024,
-                        help="prompt length the kernels are tuned for (default 1024; any shorter than the folder's --max-seq works)")
+                        help="prompt length the kernels are tuned for (default 1024; any length below the "
+                             "folder's --max-seq runs)")
     parser.add_argument("--max-batch", type=int, default=1, help="most prompts per generate call (default 1)")
 
 

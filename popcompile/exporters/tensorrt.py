@@ -33,7 +33,6 @@ TensorRTUnavailable naming what is missing and what to run instead. No torch imp
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -124,7 +123,8 @@ class Profile:
 def profiles(layout: KVLayout, config: TrtBuildConfig, *, static_decode: bool) -> dict[str, tuple[Profile, ...]]:
     """The optimization profiles of both engines (table in the module docstring), in profile-index order."""
     if layout.max_seq < 2:
-        raise ValueError(f"max_seq={layout.max_seq} leaves no room for a prompt and a token: re-export with --max-seq >= 2")
+        raise ValueError(f"max_seq={layout.max_seq} leaves no room for a prompt and a token: "
+                         "re-export with --max-seq >= 2")
     rows = layout.max_seq + SENTINEL_ROWS
     prompt_max = layout.max_seq - 1             # the runtime refuses prompts of max_seq tokens or more
     seq = (1, min(config.opt_seq, prompt_max), prompt_max)
@@ -299,7 +299,8 @@ def _build_plans(trt, folder: Path, manifest: EngineManifest, plan: dict, config
         seconds[name] = round(time.perf_counter() - start, 1)
         _write_atomic(folder / PLANS[name], data)
         plans[name] = {"file": PLANS[name], "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        _write_atomic(cache_path, bytes(cache.serialize()))  # after each engine: a failed second build keeps the first's timings
+        # saved after each engine: a failed second build keeps the first one's timings
+        _write_atomic(cache_path, bytes(cache.serialize()))
     return plans, seconds
 
 
@@ -408,12 +409,3 @@ def _sha256(path: Path) -> str:
             digest.update(chunk)
     return digest.hexdigest()
 
-
-def tensorrt_version() -> str | None:
-    """The installed tensorrt package's version, without importing it (None when absent)."""
-    for name in ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt_cu12"):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None

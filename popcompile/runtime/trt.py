@@ -230,7 +230,8 @@ class TrtSession:
             _check(context.set_input_shape(past_name, kv_shape), past_name, kv_shape)
             _check(context.set_tensor_address(past_name, self._past_address(index, batch, past, in_place)),
                    past_name, "address")
-            ptr = kv.address(index, kv.sentinel + kv.length) if in_place else self.present + index * per_row * layout.max_seq
+            scratch = self.present + index * per_row * layout.max_seq
+            ptr = kv.address(index, kv.sentinel + kv.length) if in_place else scratch
             _check(context.set_tensor_address(present_name, ptr), present_name, "address")
             present.append(Rows(index, ptr, in_place))
         if kind != "prefill":
