@@ -17,10 +17,13 @@ import torch
 from popcompile import reference
 from popcompile.exporters.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.exporters.onnx import export
+from popcompile.kv import KVLayout
 from popcompile.models import load_model
 from popcompile.runtime.generate import SamplingConfig
+from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
 from tiny import empty_past, run_graph
+from tiny_engine import tiny_engine
 
 ONNX_ATOL = 1e-4  # fp32 ORT vs eager torch logits: different kernels, same math
 # K/V are compared relative to their size: Gemma 3's values reach ~100, where 1e-4 absolute is below
@@ -121,6 +124,55 @@ def test_kv_buffer_allocated_once_and_signatures_equal(smol_engine):
           for name, g in graphs.items()}
     assert kv["prefill"] == kv["decode"] and len(kv["decode"]) == 2 * EngineManifest.read(smol_engine).num_layers
     assert "dim_param: \"past\"" in kv["decode"][0][1]
+
+
+def _rows(rng, batch: int, layout: KVLayout, steps: int) -> list[np.ndarray]:
+    shape = (batch, layout.num_kv_heads, steps, layout.head_dim)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in layout.past_names]
+
+
+def test_kv_buffer_hands_prefill_rows_to_the_next_step_without_a_copy():
+    layout, rng = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, max_seq=16), np.random.default_rng(0)
+    buffer = KVBuffer(layout, batch=2)
+    prefill = buffer.present(2, 5)  # from an empty cache: where the prefill graph writes its rows
+    for view, rows in zip(prefill, _rows(rng, 2, layout, 5)):
+        view[...] = rows
+    buffer.write(prefill, np.ones((2, 5), np.int64))
+    past = buffer.past(2)
+    assert all(np.shares_memory(a, b) and a.shape == (2, 2, 5, 4) for a, b in zip(past, prefill))
+    np.testing.assert_array_equal(past[3], buffer.data[1, 1, :, :, :5])
+    step = buffer.present(2, 1)  # after the past, never over it
+    assert not any(np.shares_memory(a, b) for a in step for b in past)
+    new = _rows(rng, 2, layout, 1)
+    for view, rows in zip(step, new):
+        view[...] = rows
+    buffer.write(step, np.ones((2, 1), np.int64))
+    expected = [np.concatenate([a.copy(), b], axis=2) for a, b in zip(prefill, new)]
+    for got, want in zip(buffer.past(2), expected):  # gathered from the cache, 6 rows
+        np.testing.assert_array_equal(got, want)
+    buffer.reset()  # rows from outside the staging area (a plain backend's outputs) are copied, never aliased
+    outside = _rows(rng, 1, layout, 3)
+    buffer.write(outside, np.ones((1, 3), np.int64))
+    for got, want in zip(buffer.past(1), outside):
+        np.testing.assert_array_equal(got, want)
+        assert not np.shares_memory(got, want)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_engine(tmp_path_factory) -> Path:
+    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama", cut=3, max_seq=64)
+
+
+@pytest.mark.parametrize("mode", ["pop", "full"])
+def test_io_binding_generates_what_plain_run_generates(tiny_llama_engine, mode):
+    prompts = [[5, 9, 12, 40, 41, 7, 3, 88, 19], [61, 3, 70]]  # left-padded batch of two lengths
+    sampling = SamplingConfig(max_new_tokens=6)
+    bound, plain = PopSession(tiny_llama_engine), PopSession(tiny_llama_engine, io_binding=False)
+    for batch in (prompts, prompts[:1]):
+        got = [r.token_ids for r in bound.generate(batch, sampling, mode=mode)]
+        assert got == [r.token_ids for r in plain.generate(batch, sampling, mode=mode)]
+        assert all(len(tokens) == 6 for tokens in got)
+    assert bound.allocations == 1
 
 
 def test_weights_are_stored_once(smol_engine):

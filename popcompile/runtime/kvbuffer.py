@@ -1,10 +1,23 @@
 """The session's KV buffer on the host: allocated once, read as past rows, written row by row.
 
-    k/v rows: [layers, 2, batch, kv_heads, max_seq, head_dim]   (kv.KVLayout)
+    cache:    [layers, 2, batch, kv_heads, max_seq, head_dim]   (kv.KVLayout)   the KV cache itself
+    staging:  [layers * 2, batch * kv_heads * max_seq * head_dim]                the graphs' KV tensors
     mask:     [batch, max_seq] int64   1 = real token, 0 = padding or not yet written
 
-A step reads rows ``0..past-1`` of every layer (``past``) and writes the ``T`` rows the graph emitted
-at ``past..past+T-1`` (``write``). Nothing is concatenated; the buffer never moves.
+A graph reads rows ``0..past-1`` of every layer as contiguous ``[B, H_kv, past, D]`` tensors and emits
+the ``T`` new rows as ``[B, H_kv, T, D]``. Rows ``0..past-1`` of ``[B, H_kv, max_seq, D]`` are not
+contiguous (unless ``B * H_kv == 1``), and onnxruntime binds only contiguous memory, so each layer's
+staging row holds the graph-side tensors back to back::
+
+    staging[2l + kind]:  | past  [B, H_kv, past, D]  | present [B, H_kv, T, D] |  (unused)  |
+                           past(): gathered from the cache, or already there (see below)
+                                                       present(): the graph writes its new rows here
+
+``write`` copies the new rows into the cache at ``past..past+T-1``. When a step started from an
+empty cache (a prefill, or the full model on the whole prompt), its present rows sit at offset 0:
+exactly the next step's past. ``past`` then hands them over without a copy: the boundary step reads
+what the prefill graph wrote. Later steps gather (docs/kv.md has the numbers). Both arrays are
+allocated once, with ``np.zeros``/``np.empty``: pages cost memory only once a step touches them.
 """
 from __future__ import annotations
 
@@ -17,8 +30,12 @@ class KVBuffer:
     def __init__(self, layout: KVLayout, batch: int):
         self.layout = layout
         self.data = layout.allocate(batch)
+        row = batch * layout.num_kv_heads * layout.max_seq * layout.head_dim
+        self.staging = np.empty((2 * layout.num_layers, row), dtype=self.data.dtype)
         self.mask = np.zeros((batch, layout.max_seq), dtype=np.int64)
         self.length = 0
+        self._staged: tuple[int, int] | None = None    # (batch, rows) laid out as a past in staging
+        self._handed: list[np.ndarray] | None = None   # the views present() gave out last
 
     @property
     def batch(self) -> int:
@@ -27,15 +44,33 @@ class KVBuffer:
     def reset(self) -> None:
         self.length = 0
         self.mask[:] = 0
+        self._staged = self._handed = None
+
+    def _views(self, batch: int, offset_rows: int, rows: int) -> list[np.ndarray]:
+        """[batch, H_kv, rows, D] views of every staging row, starting after ``offset_rows`` rows' worth."""
+        heads, dim = batch * self.layout.num_kv_heads, self.layout.head_dim
+        start, size = heads * offset_rows * dim, heads * rows * dim
+        shape = (batch, self.layout.num_kv_heads, rows, dim)
+        return [self.staging[i, start:start + size].reshape(shape) for i in range(len(self.staging))]
 
     def past(self, batch: int) -> list[np.ndarray]:
-        """Rows 0..length-1 for the first ``batch`` sequences, as the graph inputs' order: k0, v0, k1, ...
+        """Rows 0..length-1 of the first ``batch`` sequences as contiguous arrays, in the graph inputs'
+        order (k0, v0, k1, ...). Views into staging: valid until the next ``past``/``present`` call."""
+        views = self._views(batch, 0, self.length)
+        if self._staged != (batch, self.length):
+            for index, view in enumerate(views):
+                np.copyto(view, self.data[index // 2, index % 2, :batch, :, : self.length, :])
+            self._staged = (batch, self.length)
+        return views
 
-        ONNX Runtime needs contiguous inputs, so the [B, H_kv, past, D] views become copies here; see
-        docs/kv.md for what that costs and what TensorRT does instead.
-        """
-        rows = self.data[:, :, :batch, :, : self.length, :]
-        return [np.ascontiguousarray(rows[layer, kind]) for layer in range(self.layout.num_layers) for kind in (0, 1)]
+    def present(self, batch: int, steps: int) -> list[np.ndarray]:
+        """Where a graph writes its ``steps`` new rows: [batch, H_kv, steps, D] views just after the past.
+
+        Bind them as the graph's outputs, then pass them to ``write``."""
+        if self.length + steps > self.layout.max_seq:
+            raise ValueError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}")
+        self._handed = self._views(batch, self.length, steps)
+        return self._handed
 
     def write(self, present: list[np.ndarray], new_mask: np.ndarray) -> None:
         """Store the rows a step produced: present[2l + kind] is [B, H_kv, T, D]; new_mask is [B, T]."""
@@ -45,6 +80,10 @@ class KVBuffer:
             raise ValueError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}")
         for index, rows in enumerate(present):
             self.data[index // 2, index % 2, :batch, :, self.length:end, :] = rows
+        in_staging = self._handed is not None and all(a is b for a, b in zip(present, self._handed))
+        # From an empty cache, the rows just written are laid out in staging exactly as the next past.
+        self._staged = (batch, end) if in_staging and self.length == 0 else None
+        self._handed = None
         self.mask[:batch, self.length:end] = new_mask
         self.length = end
 

@@ -1,7 +1,10 @@
 """The generation loop shared by every runtime backend (numpy only).
 
-A backend supplies ``run(graph, feeds) -> outputs`` for graph "prefill" or "decode"; the loop owns
-padding, positions, the KV buffer, sampling, stopping and timing::
+A backend runs one graph ("prefill" or "decode") on one step (``Backend.run``); the loop owns padding,
+positions, the KV buffer's bookkeeping, sampling, stopping and timing. A backend that takes plain
+arrays, ``run(graph, feeds) -> outputs`` with the past rows among the feeds, is wrapped in
+``HostBackend``; one that binds memory itself (onnxruntime's IO binding, TensorRT's in-place KV
+update) implements ``Backend.run`` and decides how the past reaches its graph::
 
     pop:   prefill graph on x_1..x_{N-1}  ->  decode graph on x_N (boundary)  ->  decode graph per token
     full:  decode graph on x_1..x_N                                          ->  decode graph per token
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,7 +24,31 @@ from .kvbuffer import KVBuffer
 from .tokenizer import EngineTokenizer, StreamDecoder
 
 RunGraph = Callable[[str, dict[str, np.ndarray]], list[np.ndarray]]
+StepOutputs = tuple[np.ndarray | None, list[np.ndarray]]
 MODES = ("pop", "full")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
+        """Run ``graph`` on ``feeds`` (input_ids and position_ids [B, T], attention_mask [B, past+T]) with
+        rows 0..buffer.length-1 of the first B sequences as the past.
+
+        Returns (logits [B, V] for "decode", else None; the new rows, 2L arrays [B, H_kv, T, D] in the
+        order k0, v0, k1, ...). The loop passes the rows to ``buffer.write`` before the next call, so
+        they may be views into ``buffer.present(B, T)``; the backend never writes the cache itself."""
+
+
+@dataclass(frozen=True)
+class HostBackend:
+    """A backend that takes plain arrays: the past rows come from ``buffer.past()`` as feeds."""
+
+    run_graph: RunGraph
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
+        past = buffer.past(feeds["input_ids"].shape[0])
+        outputs = self.run_graph(graph, {**feeds, **dict(zip(buffer.layout.past_names, past))})
+        return (outputs[0], list(outputs[1:])) if graph == "decode" else (None, list(outputs))
 
 
 @dataclass(frozen=True)
@@ -53,25 +80,22 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
 class Generation:
     """One batch of prompts through the two graphs; ``run()`` returns one result per prompt."""
 
-    def __init__(self, run_graph: RunGraph, buffer: KVBuffer, tokenizer: EngineTokenizer,
+    def __init__(self, backend: Backend | RunGraph, buffer: KVBuffer, tokenizer: EngineTokenizer,
                  sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.run_graph, self.buffer, self.tokenizer = run_graph, buffer, tokenizer
+        self.backend = backend if isinstance(backend, Backend) else HostBackend(backend)
+        self.buffer, self.tokenizer = buffer, tokenizer
         self.sampling, self.mode, self.on_text = sampling, mode, on_text
         self.sampler = Sampler(sampling)
         self.streamed = 0  # characters of row 0 already given to on_text
 
     def _step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Run one graph on ids [B, T]; store the new K/V rows; return logits [B, V] (decode only)."""
-        batch = ids.shape[0]
         feeds = {"input_ids": ids, "position_ids": positions,
-                 "attention_mask": self.buffer.attention_mask(batch, mask)}
-        names = self.buffer.layout.past_names
-        feeds.update(zip(names, self.buffer.past(batch)))
-        outputs = self.run_graph(graph, feeds)
-        logits = outputs[0] if graph == "decode" else None
-        self.buffer.write(outputs[1:] if graph == "decode" else outputs, mask)
+                 "attention_mask": self.buffer.attention_mask(ids.shape[0], mask)}
+        logits, present = self.backend.run(graph, feeds, self.buffer)
+        self.buffer.write(present, mask)
         return logits
 
     def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -1,6 +1,10 @@
 """PopSession: an engine folder run with ONNX Runtime (CPU by default, CUDA or TensorRT providers).
 
-No torch import: a deployment needs onnxruntime, numpy, tokenizers and jinja2.
+Both graphs run with IO binding (``BoundBackend``): the graph reads its past K/V from, and writes its
+new rows into, the session's KV buffer's staging area (runtime/kvbuffer.py), so onnxruntime neither
+allocates the K/V outputs nor copies them out, and the boundary step reads the prefill graph's rows
+where the prefill graph wrote them. No torch import: a deployment needs onnxruntime, numpy,
+tokenizers and jinja2.
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ..exporters.manifest import EngineError, EngineManifest
+from ..kv import KVLayout
 from .generate import SamplingConfig
 from .kvbuffer import KVBuffer
-from .loop import Generation, GenerationResult
+from .loop import Generation, GenerationResult, HostBackend, StepOutputs
 from .tokenizer import EngineTokenizer
 
 PROVIDERS = {
@@ -36,6 +41,22 @@ def provider_list(provider: str) -> list[str]:
     return [name] if name == PROVIDERS["cpu"] else [name, PROVIDERS["cpu"]]
 
 
+#: onnxruntime providers that run float16 engines with float16 kernels. The CPU provider has none for
+#: MatMul on x86 and runs a float16 graph through inserted Casts (float32 compute, no faster, float32
+#: copies of the weights): measured in docs/benchmarks.md, so a float16 engine on CPU is refused.
+FLOAT16_PROVIDERS = ("cuda", "tensorrt")
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def check_precision(manifest: EngineManifest, provider: str) -> None:
+    """EngineError unless ``provider`` runs the engine's dtype well."""
+    if manifest.dtype == "float16" and provider not in FLOAT16_PROVIDERS:
+        raise EngineError(
+            f"this is a float16 engine and onnxruntime's {PROVIDERS.get(provider, provider)} has no float16 "
+            f"kernels for most of its nodes (it would cast to float32 around them, no faster and with twice "
+            f"the weight memory): run it with --provider cuda, or export it with --dtype float32")
+
+
 def verify_folder(folder: Path, manifest: EngineManifest, *, hashes: bool = True) -> None:
     """Files present with the manifest's sizes (and hashes for the graphs)."""
     for entry in manifest.graphs.values():
@@ -55,14 +76,52 @@ def signature(session: ort.InferenceSession, names) -> list[tuple]:
     return [(n, by_name[n].type, tuple(by_name[n].shape)) for n in names if n in by_name]
 
 
+class BoundBackend:
+    """loop.Backend with onnxruntime IO binding: every input and output is bound to host memory the
+    session owns, so ``run_with_iobinding`` reads the past K/V from the buffer's staging area and writes
+    the new rows (and logits) in place: no output allocation, no copy out of onnxruntime."""
+
+    def __init__(self, sessions: dict[str, ort.InferenceSession], layout: KVLayout):
+        self.sessions, self.layout = sessions, layout
+        logits = sessions["decode"].get_outputs()[0]
+        self.logits_dtype = _NUMPY_TYPES[logits.type]
+        self.vocab = logits.shape[1] if isinstance(logits.shape[1], int) else None
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
+        session = self.sessions[graph]
+        batch, steps = feeds["input_ids"].shape
+        binding = session.io_binding()
+        inputs = {**feeds, **dict(zip(self.layout.past_names, buffer.past(batch)))}
+        for name, array in inputs.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))  # CPU: no copy
+        present = buffer.present(batch, steps)
+        for name, array in zip(self.layout.present_names, present):
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        logits = None
+        if graph == "decode" and self.vocab is not None:
+            logits = np.empty((batch, self.vocab), dtype=self.logits_dtype)
+            binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        elif graph == "decode":
+            binding.bind_output("logits", "cpu")
+        session.run_with_iobinding(binding)
+        if graph == "decode" and logits is None:
+            logits = binding.get_outputs()[0].numpy()
+        return logits, present
+
+
 class PopSession:
     """Load an engine folder once; ``generate`` many times. The KV buffer is allocated once per
-    session (and again only for a larger batch than any before)."""
+    session (and again only for a larger batch than any before).
 
-    def __init__(self, folder: str | Path, *, provider: str = "cpu", threads: int | None = None):
+    ``io_binding=False`` runs the graphs with plain ``InferenceSession.run`` (past rows copied into
+    the feeds, outputs allocated by onnxruntime): kept for measurements (benchmarks/ttft.py)."""
+
+    def __init__(self, folder: str | Path, *, provider: str = "cpu", threads: int | None = None,
+                 io_binding: bool = True):
         self.folder = Path(folder)
         self.manifest = EngineManifest.read(self.folder)
         self.layout = self.manifest.kv_layout
+        check_precision(self.manifest, provider)
         verify_folder(self.folder, self.manifest)
         options = ort.SessionOptions()
         if threads:
@@ -73,6 +132,7 @@ class PopSession:
             for name, entry in self.manifest.graphs.items()
         }
         self._check_signatures()
+        self.backend = BoundBackend(self.sessions, self.layout) if io_binding else HostBackend(self._run)
         self.tokenizer = EngineTokenizer.from_folder(self.folder)
         self.buffer: KVBuffer | None = None
         self.allocations = 0
@@ -121,5 +181,5 @@ class PopSession:
             if len(prompt) >= self.layout.max_seq:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
                                  f"{self.layout.max_seq}: shorten it or re-export with a larger --max-seq")
-        generation = Generation(self._run, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text)
+        generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text)
         return generation.run(ids)
