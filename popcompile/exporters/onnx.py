@@ -12,6 +12,8 @@ when complete, so a failed export leaves nothing behind and never replaces a goo
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import hashlib
 import importlib.metadata
 import io
@@ -26,7 +28,7 @@ import torch
 
 from ..calibrate import KVFit, check_fit, default_batches, fit_kv, load_fit
 from ..models import LoadedModel, load_model
-from ..passes.pop import resolve_cut
+from ..passes.pop import KVWeights, resolve_cut
 from ..pipeline import GraphPair, build_graphs
 from .manifest import EngineError, EngineManifest, GraphEntry
 
@@ -35,23 +37,38 @@ WEIGHTS = "weights.bin"
 _ALIGN = 64
 # Small constants (shapes, axes) stay inside the graph: shape inference and parsers read them there.
 _INLINE_BYTES = 1024
+#: engine precisions: the graphs' weights, activations, KV inputs/outputs and logits all take this dtype
+DTYPES = ("float32", "float16")
 
 
 def export(
     model: str | LoadedModel, out_dir: str | Path, *, cut: int | None = None,
     prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
     kv_calibration: str | Path | None = None, progress: Callable[[str], None] | None = None,
+    dtype: str = "float32",
 ) -> EngineManifest:
-    """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``."""
+    """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``.
+
+    ``dtype="float16"`` casts the model (a copy, when the caller passed a loaded one) before capture,
+    so weights, activations, the KV signature (``KVLayout.dtype``) and logits are float16; the
+    models' norms and RoPE tables still compute in float32 internally, as in PyTorch. POP+ weights are
+    fitted in float32 first, then cast. onnxruntime's CPU provider refuses float16 engines
+    (docs/benchmarks.md says why): run them with ``provider="cuda"``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
     _check_destination(out_dir, force)
     step = progress or (lambda name: None)
     step("load")
-    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    owned = not isinstance(model, LoadedModel)
+    loaded = load_model(model) if owned else model
     step("capture + POP pass")
     cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
     fit = kv_fit(loaded, cut, kv_calibration)
-    pair = build_graphs(loaded.model, cut=cut, max_seq=max_seq, kv_weights=fit and fit.weights)
+    network = cast_model(loaded.model, dtype, in_place=owned)
+    kv_weights = fit and cast_weights(fit.weights, dtype)
+    pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights)
     with _staging(out_dir, force) as tmp:
         step("export decode graph")
         decode = to_onnx(pair.decode, pair, with_logits=True)
@@ -67,6 +84,34 @@ def export(
         manifest = _manifest(tmp, loaded, pair, weights_bytes, fit)
         manifest.write(tmp)
     return manifest
+
+
+def cast_model(model: torch.nn.Module, dtype: str, *, in_place: bool) -> torch.nn.Module:
+    """``model`` with its parameters in ``dtype``; a copy unless ``in_place``.
+
+    Floating buffers (RoPE's ``inv_freq``) stay float32: rounded to float16, ``inv_freq * position``
+    is off by whole radians at positions in the thousands. The caller's model is never changed
+    unless ``in_place``: casting float32 -> float16 -> float32 loses precision.
+    """
+    target = getattr(torch, dtype)
+    if all(p.dtype == target for p in model.parameters()):
+        return model
+    model = model if in_place else copy.deepcopy(model)
+    kept = [(module, name, buffer) for module in model.modules()
+            for name, buffer in module.named_buffers(recurse=False) if buffer.is_floating_point()]
+    model.to(target)  # replaces every tensor; ``kept`` still holds the originals
+    for module, name, buffer in kept:
+        setattr(module, name, buffer.float())
+    return model
+
+
+def cast_weights(weights: KVWeights, dtype: str) -> KVWeights:
+    """POP+ replacement projections in the engine's dtype (they are fitted in float32)."""
+    target = getattr(torch, dtype)
+    return {layer: {name: dataclasses.replace(
+                p, weight=p.weight.to(target), bias=None if p.bias is None else p.bias.to(target))
+                    for name, p in parts.items()}
+            for layer, parts in weights.items()}
 
 
 def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
