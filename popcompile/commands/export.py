@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..exporters.manifest import EngineManifest
+from . import build_trt
 from .common import CliError, add_cut_options, quiet_libraries
 from .info import summary
 
@@ -15,7 +17,13 @@ def register(sub) -> None:
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder or a "
                                  "HF id already in the local cache")
     p.add_argument("--out", required=True, type=Path, help="engine folder to create (must not exist)")
-    add_cut_options(p)
+    add_cut_options(p, allow_auto=True)
+    p.add_argument("--min-agreement", type=float,
+                   help="with --cut auto: the deepest-pruning cut whose top-1 agreement with the full model on the "
+                        "built-in continuation data is at least this (e.g. 0.95; runs the eval sweep, minutes)")
+    p.add_argument("--budget", type=float,
+                   help="with --cut auto (no --min-agreement): share of prefill importance the pruned layers may hold "
+                        "(default: analyze's)")
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
     p.add_argument("--kv-calibration", default="none", metavar="{none,auto,FILE}",
                    help="POP+: refit the pruned layers' K/V projections: none (default, the paper's POP), "
@@ -24,22 +32,38 @@ def register(sub) -> None:
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to run)")
+    build_trt.add_build_options(p)
     p.set_defaults(handler=cmd_export)
 
 
 def cmd_export(args) -> None:
+    _check_cut_options(args)
+    if args.target == "tensorrt":
+        build_trt.export_tensorrt(args, lambda: _export_onnx(args))  # fails before the export without a GPU
+        manifest = EngineManifest.read(args.out)
+    else:
+        manifest = _export_onnx(args)
+    print(manifest.to_json() if args.json else summary(args.out, manifest))
+
+
+def _check_cut_options(args) -> None:
+    if args.cut != "auto" and (args.min_agreement is not None or args.budget is not None):
+        raise CliError("--min-agreement and --budget choose the cut: use them with --cut auto")
+    if args.min_agreement is not None and args.budget is not None:
+        raise CliError("--min-agreement (eval sweep) and --budget (analyze) are two ways to choose: give one")
+
+
+def _export_onnx(args):
     from tqdm import tqdm
 
     from ..exporters.onnx import export
+    from ..models import load_model
 
-    if args.target == "tensorrt":
-        from ..exporters.tensorrt_compat import require_gpu
-
-        require_gpu()
-        raise CliError("building TensorRT engines is not implemented yet: export with --target onnx, "
-                       "check it with `popcompile check DIR --target tensorrt`, and run it with --provider tensorrt")
     quiet_libraries()
-
+    loaded = load_model(args.model)
+    cut, choice = _choose_cut(args, loaded) if args.cut == "auto" else (args.cut, None)
     steps = ["load", "capture + POP pass", "export decode graph", "export prefill graph", "write engine folder"]
     with tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
         def progress(name: str) -> None:
@@ -47,11 +71,23 @@ def cmd_export(args) -> None:
                 bar.update(1)
             bar.set_description(name)
 
-        manifest = export(args.model, args.out, cut=args.cut, prune_ratio=args.prune_ratio,
-                          max_seq=args.max_seq, force=args.force, kv_calibration=args.kv_calibration,
-                          progress=progress)
+        manifest = export(loaded, args.out, cut=cut, prune_ratio=args.prune_ratio, max_seq=args.max_seq,
+                          force=args.force, kv_calibration=args.kv_calibration, progress=progress,
+                          cut_choice=choice, dtype=args.dtype)
         bar.update(bar.total - bar.n)
-    if args.json:
-        print(manifest.to_json())
-        return
-    print(summary(args.out, manifest))
+    return manifest
+
+
+def _choose_cut(args, loaded) -> tuple[int, dict]:
+    """``--cut auto``: the eval sweep's cut (--min-agreement) or analyze's recommendation, with its figures."""
+    if args.min_agreement is not None:
+        from ..sweep import choose_cut
+
+        print(f"choosing the cut: continuation sweep for agreement >= {args.min_agreement}", file=sys.stderr)
+        return choose_cut(loaded, args.min_agreement, kv_calibration=args.kv_calibration == "auto")
+    from ..analyze import DEFAULT_BUDGET, recommended_cut
+
+    budget = DEFAULT_BUDGET if args.budget is None else args.budget
+    print(f"choosing the cut: stage-aware importance, prefill budget {budget:.0%}", file=sys.stderr)
+    cut = recommended_cut(loaded.model, loaded.tokenizer, budget=budget)
+    return cut, {"method": "analyze", "budget": budget, "cut": cut}

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import build_trt
 from .common import CliError, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
@@ -31,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("--full", action="store_true", help="no pruning: prefill with the decode graph (for comparison)")
     p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
+    build_trt.add_runtime_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
     p.set_defaults(handler=cmd_run)
 
@@ -48,11 +50,9 @@ def _sampling(args):
 
 
 def cmd_run(args) -> None:
-    from ..runtime.ort import PopSession
-
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file, "--prompt-file")
     sampling = _sampling(args)
-    session = PopSession(args.engine, provider=args.provider, threads=args.threads)
+    session = build_trt.open_session(args)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = session.generate(prompt, sampling, mode="full" if args.full else "pop", chat=args.chat,
                               on_text=stream)[0]
