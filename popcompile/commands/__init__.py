@@ -6,4 +6,4 @@ themselves, so building the parser (``popcompile --help``) stays light.
 from __future__ import annotations
 
 #: module names under popcompile.commands, in the order ``--help`` lists them
-COMMANDS = ("export", "run", "info", "check", "evaluate", "calibrate", "build_trt")
+COMMANDS = ("export", "run", "info", "check", "evaluate", "calibrate", "build_trt", "analyze")

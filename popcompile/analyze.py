@@ -1,0 +1,499 @@
+"""``popcompile analyze``: stage-aware layer importance with virtual gates (Fisher approximation).
+
+Every residual branch (attention, MLP) of every layer gets a gate g = 1 on the prefill positions and
+another on the decode positions (``passes/gates.py``). A gate's importance is ``E[(dL/dg)^2]`` over
+sequences: the Fisher approximation of the loss increase when the branch is removed there (g: 1 -> 0).
+"layer" gates both branches with one g: gradient dL/dg_attn + dL/dg_mlp, importance its mean square.
+
+Stages follow POP exactly. A sample is ``context_len + gen_len`` tokens of real text: a prompt
+x_1..x_N (N = context_len) and y_1..y_G (G = gen_len). The model reads x_1..x_N y_1..y_{G-1}; the loss
+is the mean next-token cross-entropy of y_1..y_G, predicted at the last G positions. POP prefills
+x_1..x_{N-1}: those N - 1 positions carry the prefill gates; x_N (the boundary token, run by the full
+model) and y_1..y_{G-1} are the decode positions. So a layer's prefill importance is what POP's
+pruning of that layer puts at risk, and the last layer's is exactly 0 (POP at cut = L - 1 is exact).
+
+Gradients are per sequence (one gate tensor per row; loss = sum of the rows' losses), so scores do
+not depend on the batch size. float32, one forward-backward per batch, parameters frozen (only
+activations are kept: memory grows with batch x sequence length).
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import math
+import resource
+import sysconfig
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .arch import arch_spec, attention_windows
+from .capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
+from .eval_data import encode, humaneval_problems
+from .passes.gates import BRANCHES, STAGES, GateResult, gate_pass
+from .passes.pop import resolve_cut
+
+#: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).
+DEFAULT_BUDGET = 0.05
+REPORT_JSON = "analyze.json"
+REPORT_PNG = "analyze.png"
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    samples: int = 64  # sequences scored (fewer when the text runs out)
+    context_len: int = 512  # prompt tokens N; POP prefills N - 1 of them
+    gen_len: int = 32  # tokens predicted after the prompt (the decode stage)
+    batch_size: int = 2  # sequences per forward-backward (memory grows linearly with it)
+    budget: float = DEFAULT_BUDGET  # share of prefill importance the recommended cut may prune
+
+    def __post_init__(self) -> None:
+        for name, low in (("samples", 1), ("context_len", 2), ("gen_len", 1), ("batch_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"AnalyzeConfig.{name} must be an int >= {low}, got {value!r}")
+        if not 0.0 <= self.budget < 1.0:
+            raise ValueError(f"AnalyzeConfig.budget={self.budget} is out of range: use 0 <= budget < 1")
+
+    @property
+    def window(self) -> int:
+        return self.context_len + self.gen_len
+
+
+#: A quick configuration for ``recommended_cut`` (export --cut auto): about a minute on a CPU.
+AUTO_CONFIG = AnalyzeConfig(samples=16, context_len=256, gen_len=32)
+
+
+@dataclass(frozen=True)
+class StageScores:
+    """One number per branch of one layer in one stage."""
+
+    attn: float
+    mlp: float
+    layer: float  # both branches under one gate
+
+
+@dataclass(frozen=True)
+class LayerScore:
+    index: int
+    prefill: StageScores  # importance E[(dL/dg)^2]
+    decode: StageScores
+    prefill_grad: StageScores  # first-order term E[dL/dg] (removing the branch changes L by about -this)
+    decode_grad: StageScores
+    prefill_stderr: StageScores  # standard error of the importance over sequences
+    decode_stderr: StageScores
+
+
+@dataclass(frozen=True)
+class DeepSummary:
+    """The paper's question for the default cut: is the deep third's prefill importance lower?"""
+
+    cut: int  # default cut (L - floor(L/3)); deep layers are cut..L-1
+    prefill: float  # summed layer importance of the deep layers
+    decode: float
+    prefill_share: float  # of the total over all layers
+    decode_share: float
+    layers_prefill_lower: int  # deep layers whose prefill importance is below their decode importance
+
+
+@dataclass(frozen=True)
+class AnalyzeReport:
+    model: str
+    model_type: str
+    num_layers: int
+    config: AnalyzeConfig
+    corpus: Mapping[str, int]  # source -> sequences taken from it
+    samples: int
+    loss: float  # mean next-token cross-entropy of the scored tokens (nats)
+    layers: tuple[LayerScore, ...]
+    deep: DeepSummary
+    recommended_cut: int
+    seconds: float
+    peak_rss_mb: float  # peak resident memory of the whole process (model included)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+# --- corpus ------------------------------------------------------------------------------------
+
+def stdlib_docstrings() -> Iterator[str]:
+    """Docstrings of the public top-level modules of the running interpreter's stdlib, one text per
+    module (module, class and function docstrings in source order), modules sorted by name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        docs = [ast.get_docstring(node) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        text = "\n\n".join(d for d in docs if d)
+        if text:
+            yield text
+
+
+def humaneval_prompts() -> list[str]:
+    return [problem["prompt"] for problem in humaneval_problems()]
+
+
+def default_sources() -> dict[str, Iterable[str]]:
+    """The built-in corpus: HumanEval prompts and stdlib docstrings (lazy: read as far as needed)."""
+    return {"humaneval": humaneval_prompts(), "stdlib-docstrings": stdlib_docstrings()}
+
+
+def jsonl_texts(text: str, field: str = "text") -> list[str]:
+    """Texts of a JSON-lines file: each line a JSON string or an object with a string ``field``."""
+    texts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"JSONL line {number} is not JSON: {err.msg}") from None
+        value = item.get(field) if isinstance(item, dict) else item
+        if not isinstance(value, str):
+            raise ValueError(f"JSONL line {number}: expected a string or an object with a string {field!r} field")
+        texts.append(value)
+    return texts
+
+
+def _token_stream(texts: Iterable[str], tokenizer: Any, chunk: int) -> Iterator[list[int]]:
+    """The texts' tokens (joined by a blank line), cut into chunks of ``chunk`` tokens."""
+    separator = encode(tokenizer, "\n\n", add_special_tokens=False)
+    buffer: list[int] = []
+    for text in texts:
+        buffer += encode(tokenizer, text, add_special_tokens=False) + separator
+        while len(buffer) >= chunk:
+            yield buffer[:chunk]
+            buffer = buffer[chunk:]
+
+
+def token_windows(sources: Mapping[str, Iterable[str]], tokenizer: Any, length: int,
+                  count: int) -> tuple[torch.Tensor, dict[str, int]]:
+    """``count`` windows [N, length] of real text, sources taken in turn; each window starts with the
+    tokenizer's own leading special tokens (Gemma's BOS; none for SmolLM2). Returns fewer windows when
+    the text runs out, and how many each source gave."""
+    prefix = encode(tokenizer, "", add_special_tokens=True)
+    if length <= len(prefix):
+        raise ValueError(f"window of {length} tokens leaves no room after {len(prefix)} special tokens")
+    streams = {name: _token_stream(texts, tokenizer, length - len(prefix)) for name, texts in sources.items()}
+    windows, taken = [], {name: 0 for name in sources}
+    while streams and len(windows) < count:
+        for name in list(streams):
+            chunk = next(streams[name], None)
+            if chunk is None:
+                del streams[name]
+            elif len(windows) < count:
+                windows.append(prefix + chunk)
+                taken[name] += 1
+    if not windows:
+        raise ValueError(f"the text has fewer than {length} tokens (--context-len + --gen-len): give more text")
+    return torch.tensor(windows, dtype=torch.long), taken
+
+
+# --- the gated graph -----------------------------------------------------------------------------
+
+class Scorer(torch.nn.Module):
+    """input_ids [B, S] -> logits [B, G, V] of the last G positions (a full causal forward).
+
+    The same masks and attention function as ``capture.py``; the LM head runs on the last G positions
+    only (Gemma 3's 262k vocabulary over every position would dominate time and memory).
+    """
+
+    def __init__(self, model: torch.nn.Module, gen_len: int):
+        super().__init__()
+        self.model = model
+        self.gen_len = gen_len
+        self.mask_mapping = arch_spec(model.config).mask_mapping
+        self.windows = attention_windows(model.config)
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq).expand(batch, seq)  # [B, S] no padding
+        masks = {kind: build_mask(torch.ones_like(input_ids), seq, w) for kind, w in self.windows.items()}
+        mask = masks if self.mask_mapping else next(iter(masks.values()))
+        out = self.model.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=False)
+        logits = self.model.lm_head(out.last_hidden_state[:, -self.gen_len:])  # [B, G, V]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def capture_scorer(model: torch.nn.Module, batch: int, seq_len: int, gen_len: int) -> GateResult:
+    """torch.export the Scorer at static [batch, seq_len] and run the gates pass on it."""
+    if not 1 <= gen_len <= seq_len:
+        raise ValueError(f"gen_len={gen_len} must be in 1..seq_len={seq_len}")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
+    example = torch.zeros(batch, seq_len, dtype=torch.long)
+    with use_attention(model, ATTN_IMPLEMENTATION):
+        program = torch.export.export(Scorer(model, gen_len).eval(), (example,), strict=False)
+    return gate_pass(program.module())
+
+
+@contextlib.contextmanager
+def frozen_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """No parameter requires grad inside (the backward keeps no weight-gradient inputs); restored after."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def stage_mask(batch: int, context_len: int, gen_len: int) -> torch.Tensor:
+    """[B, S] float: 0 on POP's prefill positions 0..N-2, 1 on the decode positions N-1..N+G-2."""
+    stage = torch.zeros(batch, context_len + gen_len - 1)
+    stage[:, context_len - 1:] = 1.0
+    return stage
+
+
+def sequence_losses(gm: torch.nn.Module, windows: torch.Tensor, gates: torch.Tensor, stage: torch.Tensor,
+                    context_len: int) -> torch.Tensor:
+    """Mean next-token cross-entropy [B] of each window's tokens after ``context_len`` (y_1..y_G),
+    the gated graph reading windows[:, :-1] with the given ``gates`` [B, L, 2, 2] and ``stage`` [B, S]."""
+    (logits,) = gm(windows[:, :-1], gates, stage)  # [B, G, V]
+    targets = windows[:, context_len:]  # [B, G]
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape[:2])} do not match targets {tuple(targets.shape)}: "
+                         "the graph was captured for another context/generation length")
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return nll.view(targets.shape).mean(dim=1)
+
+
+def gate_gradients(gated: GateResult, windows: torch.Tensor, context_len: int, gen_len: int,
+                   progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence dL/dgates [N, L, 2, 2] (float64) and losses [N], one forward-backward per batch.
+
+    A last, short batch is filled with copies of its first row that enter no loss.
+    """
+    gm, batch = gated.graph_module, gated.batch
+    stage = stage_mask(batch, context_len, gen_len)
+    grads, losses = [], []
+    with frozen_parameters(gm), torch.enable_grad():
+        for start in range(0, len(windows), batch):
+            rows = windows[start:start + batch]
+            real = len(rows)
+            rows = torch.cat([rows, rows[:1].expand(batch - real, -1)]) if real < batch else rows
+            gates = torch.ones(batch, gated.num_layers, 2, 2, requires_grad=True)
+            loss = sequence_losses(gm, rows, gates, stage, context_len)[:real]  # [real]
+            (grad,) = torch.autograd.grad(loss.sum(), gates)
+            grads.append(grad[:real].double())
+            losses.append(loss.detach().double())
+            if progress is not None:
+                progress(real)
+    return torch.cat(grads), torch.cat(losses)
+
+
+# --- scores and the recommended cut ----------------------------------------------------------------
+
+def layer_scores(grads: torch.Tensor) -> tuple[LayerScore, ...]:
+    """Per-layer importance, first-order term and standard error from per-sequence grads [N, L, 2, 2]."""
+    if grads.dim() != 4 or grads.shape[2:] != (len(BRANCHES), len(STAGES)):
+        raise ValueError(f"expected grads [N, L, 2, 2], got {tuple(grads.shape)}")
+    full = torch.cat([grads, grads.sum(dim=2, keepdim=True)], dim=2)  # [N, L, 3, 2]: attn, mlp, layer
+    squares = full ** 2
+    fisher, mean = squares.mean(dim=0), full.mean(dim=0)  # [L, 3, 2]
+    stderr = squares.std(dim=0) / math.sqrt(len(grads)) if len(grads) > 1 else torch.zeros_like(fisher)
+
+    def stage(table: torch.Tensor, layer: int, s: int) -> StageScores:
+        return StageScores(*(float(v) for v in table[layer, :, s]))
+
+    return tuple(
+        LayerScore(l, stage(fisher, l, 0), stage(fisher, l, 1), stage(mean, l, 0), stage(mean, l, 1),
+                   stage(stderr, l, 0), stage(stderr, l, 1))
+        for l in range(grads.shape[1]))
+
+
+def cut_from_scores(prefill: Sequence[float], budget: float) -> int:
+    """The first layer of the deepest contiguous block (layers cut..L-1) whose share of the total
+    prefill importance is at most ``budget``; L (nothing pruned) when even the last layer is over.
+    Never below 1: layer 0 always runs."""
+    if not 0.0 <= budget < 1.0:
+        raise ValueError(f"budget={budget} is out of range: use 0 <= budget < 1")
+    total = float(sum(prefill))
+    if not math.isfinite(total) or total <= 0 or min(prefill) < 0:
+        raise ValueError(f"prefill importances must be finite, >= 0 and not all 0, got total {total}")
+    cut, tail = len(prefill), 0.0
+    for layer in range(len(prefill) - 1, 0, -1):
+        tail += prefill[layer]
+        if tail / total > budget:
+            break
+        cut = layer
+    return cut
+
+
+def recommend_cut(report: AnalyzeReport, budget: float) -> int:
+    """``cut_from_scores`` on the report's prefill layer importance."""
+    return cut_from_scores([layer.prefill.layer for layer in report.layers], budget)
+
+
+def deep_summary(layers: Sequence[LayerScore]) -> DeepSummary:
+    """Prefill against decode importance of the layers the default cut prunes (the last third)."""
+    cut = resolve_cut(len(layers))
+    prefill = [layer.prefill.layer for layer in layers]
+    decode = [layer.decode.layer for layer in layers]
+    deep_p, deep_d = sum(prefill[cut:]), sum(decode[cut:])
+    lower = sum(p < d for p, d in zip(prefill[cut:], decode[cut:]))
+    return DeepSummary(cut, deep_p, deep_d, deep_p / (sum(prefill) or 1.0), deep_d / (sum(decode) or 1.0), lower)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_analyze(model: torch.nn.Module, tokenizer: Any, config: AnalyzeConfig = AnalyzeConfig(), *,
+                sources: Mapping[str, Iterable[str]] | None = None, name: str | None = None,
+                progress: Callable[[int, int], None] | None = None) -> AnalyzeReport:
+    """Score every layer's branches in both stages on real text (the built-in corpus by default).
+
+    ``progress(done, total)`` is called after every batch with the sequences it scored.
+    """
+    start = time.perf_counter()
+    _check_model(model, config)
+    windows, taken = token_windows(default_sources() if sources is None else sources, tokenizer,
+                                   config.window, config.samples)
+    batch = min(config.batch_size, len(windows))
+    if progress is not None:
+        progress(0, len(windows))  # the total is known before the capture (which takes a while)
+    gated = capture_scorer(model, batch, config.window - 1, config.gen_len)
+    report_progress = None if progress is None else (lambda done: progress(done, len(windows)))
+    grads, losses = gate_gradients(gated, windows, config.context_len, config.gen_len, report_progress)
+    layers = layer_scores(grads)
+    cut = cut_from_scores([layer.prefill.layer for layer in layers], config.budget)
+    return AnalyzeReport(
+        model=name or str(getattr(model.config, "_name_or_path", "")), model_type=model.config.model_type,
+        num_layers=len(layers), config=config, corpus={k: v for k, v in taken.items() if v},
+        samples=len(windows), loss=float(losses.mean()), layers=layers, deep=deep_summary(layers),
+        recommended_cut=cut, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
+
+
+def _check_model(model: torch.nn.Module, config: AnalyzeConfig) -> None:
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        raise ValueError(f"analyze runs in float32, the model is {dtype}: load it in float32 (model.float())")
+    if config.window > (limit := getattr(model.config, "max_position_embeddings", None) or math.inf):
+        raise ValueError(f"--context-len + --gen-len = {config.window} exceeds the model's "
+                         f"max_position_embeddings={limit}: use shorter lengths")
+
+
+def recommended_cut(model: torch.nn.Module, tokenizer: Any, *, budget: float = DEFAULT_BUDGET,
+                    config: AnalyzeConfig = AUTO_CONFIG, sources: Mapping[str, Iterable[str]] | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> int:
+    """The cut for ``export --cut auto``: a quick analysis (``AUTO_CONFIG``) and ``recommend_cut``."""
+    report = run_analyze(model, tokenizer, replace(config, budget=budget), sources=sources, progress=progress)
+    return report.recommended_cut
+
+
+# --- outputs -----------------------------------------------------------------------------------------
+
+def write_outputs(report: AnalyzeReport, out_dir: Path) -> tuple[Path, Path]:
+    """``analyze.json`` and ``analyze.png`` in ``out_dir`` (created if missing)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    json_path, png_path = Path(out_dir) / REPORT_JSON, Path(out_dir) / REPORT_PNG
+    json_path.write_text(report.to_json() + "\n")
+    plot_report(report, png_path)
+    return json_path, png_path
+
+
+def format_table(report: AnalyzeReport) -> str:
+    """The terminal table: per layer, prefill and decode importance of attention, MLP and both."""
+    prefill = [layer.prefill.layer for layer in report.layers]
+    total = sum(prefill) or 1.0
+    cfg, deep = report.config, report.deep
+    lines = [f"{report.model} ({report.model_type}, {report.num_layers} layers): {report.samples} sequences, "
+             f"context {cfg.context_len} + {cfg.gen_len} generated, loss {report.loss:.3f} nats",
+             "importance E[(dL/dg)^2]; 'share' = prefill importance of this layer and all deeper ones",
+             f"{'layer':>5} | {'prefill attn':>12} {'mlp':>9} {'layer':>9} | {'decode attn':>11} {'mlp':>9} "
+             f"{'layer':>9} | {'share':>6}"]
+    for layer in report.layers:
+        p, d = layer.prefill, layer.decode
+        share = sum(prefill[layer.index:]) / total
+        mark = ("  <- recommended cut" if layer.index == report.recommended_cut else "") + \
+               ("  <- default cut" if layer.index == deep.cut else "")
+        lines.append(f"{layer.index:>5} | {p.attn:>12.2e} {p.mlp:>9.2e} {p.layer:>9.2e} | {d.attn:>11.2e} "
+                     f"{d.mlp:>9.2e} {d.layer:>9.2e} | {share:>6.1%}{mark}")
+    lines += [f"deep layers {deep.cut}..{report.num_layers - 1} (default cut): prefill {deep.prefill:.3g} "
+              f"({deep.prefill_share:.1%} of all prefill) vs decode {deep.decode:.3g} ({deep.decode_share:.1%} of "
+              f"all decode); prefill below decode in {deep.layers_prefill_lower} of {report.num_layers - deep.cut}",
+              f"recommended cut (budget {cfg.budget:.0%} of prefill importance): {report.recommended_cut} "
+              f"(prunes {report.num_layers - report.recommended_cut} layers; default cut {deep.cut})",
+              f"{report.seconds:.0f} s, peak memory {report.peak_rss_mb:.0f} MB"]
+    return "\n".join(lines)
+
+
+def plot_report(report: AnalyzeReport, path: Path) -> None:
+    """Prefill vs decode importance over depth (log scale, +-1 standard error shaded; exact zeros,
+    i.e. the last layer's prefill, are gaps) and the prefill share each cut would prune."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(13, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    _plot_layers(axes[0], report)
+    _plot_branches(axes[1], report)
+    _plot_share(axes[2], report)
+    for ax, offset in zip(axes, (0.5, 0.5, 0.0)):  # layer axes: the cut lies before its layer
+        ax.set_yscale("log")
+        ax.axvline(report.deep.cut - offset, color="gray", ls=":", label=f"default cut {report.deep.cut}")
+        ax.axvline(report.recommended_cut - offset, color="green", ls="--",
+                   label=f"recommended cut {report.recommended_cut}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report.model}: virtual-gate importance, {report.samples} sequences, context "
+                 f"{report.config.context_len} + {report.config.gen_len} generated", fontsize=11)
+    fig.savefig(path, dpi=110)
+
+
+def _plot_layers(ax, report: AnalyzeReport) -> None:
+    x = [layer.index for layer in report.layers]
+    for stage, color in (("prefill", "tab:blue"), ("decode", "tab:red")):
+        value = [getattr(layer, stage).layer for layer in report.layers]
+        err = [getattr(layer, f"{stage}_stderr").layer for layer in report.layers]
+        ax.plot(x, _positive(value), "o-", color=color, label=stage)
+        low, high = ([v + sign * e for v, e in zip(value, err)] for sign in (-1, 1))
+        ax.fill_between(x, _positive(low), _positive(high), color=color, alpha=0.15, lw=0)
+    ax.set(title="layer (attention + MLP, one gate)", xlabel="layer", ylabel="importance E[(dL/dg)²]")
+    ax.annotate("last layer's prefill: exactly 0", (1.0, 0.02), xycoords="axes fraction", ha="right", fontsize=7)
+
+
+def _plot_branches(ax, report: AnalyzeReport) -> None:
+    x = [layer.index for layer in report.layers]
+    for stage, color in (("prefill", "tab:blue"), ("decode", "tab:red")):
+        for branch, style, label in (("attn", "o-", "attention"), ("mlp", "s--", "MLP")):
+            values = [getattr(getattr(layer, stage), branch) for layer in report.layers]
+            ax.plot(x, _positive(values), style, color=color, label=f"{stage} {label}", ms=4)
+    ax.set(title="per branch", xlabel="layer")
+
+
+def _plot_share(ax, report: AnalyzeReport) -> None:
+    prefill = [layer.prefill.layer for layer in report.layers]
+    cuts = list(range(1, len(prefill)))
+    shares = [sum(prefill[c:]) / (sum(prefill) or 1.0) for c in cuts]
+    ax.plot(cuts, _positive(shares), "o-", color="tab:blue", label="prefill importance pruned")
+    ax.axhline(report.config.budget, color="black", lw=1, label=f"budget {report.config.budget:.0%}")
+    ax.set(title="share of prefill importance in layers cut..L-1", xlabel="cut (first pruned layer)",
+           ylabel="share")
+
+
+def _positive(values: Sequence[float]) -> list[float]:
+    """Log axes cannot show 0: exact zeros (the last layer's prefill) become gaps."""
+    return [v if v > 0 else math.nan for v in values]

@@ -1,0 +1,90 @@
+"""``popcompile analyze``: stage-aware layer importance (virtual gates) and a recommended cut.
+
+Defaults live in ``popcompile.analyze.AnalyzeConfig``: options left out here stay None so that the
+one dataclass decides them (the help texts name the same numbers; a test keeps them in step).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .common import CliError, quiet_libraries, read_text
+
+CONFIG_OPTIONS = ("samples", "context_len", "gen_len", "batch_size", "budget")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("analyze", help="measure prefill vs decode importance of every layer (virtual gates)",
+                       description="Gate every residual branch (attention, MLP) of every layer, separately on the "
+                                   "prompt (prefill) and on the generated positions (decode); score each gate by "
+                                   "E[(dL/dg)^2] on real text; write a table, analyze.json and analyze.png, and "
+                                   "recommend a cut.")
+    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
+    p.add_argument("--out", required=True, type=Path, help="folder for analyze.json and analyze.png (created)")
+    p.add_argument("--samples", type=int, help="sequences to score (default 64)")
+    p.add_argument("--context-len", type=int, help="prompt tokens per sequence; POP prefills all but the "
+                                                   "last (default 512)")
+    p.add_argument("--gen-len", type=int, help="tokens predicted after the prompt: the decode stage (default 32)")
+    p.add_argument("--text", type=Path, action="append", default=[],
+                   help="score on this text file instead of the built-in corpus (repeatable)")
+    p.add_argument("--jsonl", type=Path, action="append", default=[],
+                   help="score on this JSON-lines file: one string, or object with --jsonl-field, per line "
+                        "(repeatable)")
+    p.add_argument("--jsonl-field", default="text", help="field holding the text in --jsonl objects (default text)")
+    p.add_argument("--budget", type=float, help="share of the total prefill importance the recommended cut may "
+                                                "prune (default 0.05)")
+    p.add_argument("--batch-size", type=int, help="sequences per forward-backward; memory grows with it (default 2)")
+    p.add_argument("--force", action="store_true", help="overwrite analyze.json/analyze.png in --out")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.set_defaults(handler=cmd_analyze)
+
+
+def config_from_args(args):
+    """The AnalyzeConfig of the options given (the dataclass's defaults for the others)."""
+    from ..analyze import AnalyzeConfig
+
+    given = {name: getattr(args, name) for name in CONFIG_OPTIONS if getattr(args, name) is not None}
+    return AnalyzeConfig(**given)
+
+
+def user_sources(args) -> dict[str, list[str]] | None:
+    """{file: texts} of --text and --jsonl, in the order given; None for the built-in corpus."""
+    from ..analyze import jsonl_texts
+
+    sources: dict[str, list[str]] = {}
+    for path in args.text:
+        sources[str(path)] = [read_text(path, "--text")]
+    for path in args.jsonl:
+        try:
+            sources[str(path)] = jsonl_texts(read_text(path, "--jsonl"), args.jsonl_field)
+        except ValueError as err:
+            raise CliError(f"--jsonl {path}: {err}") from None
+    return sources or None
+
+
+def cmd_analyze(args) -> None:
+    from tqdm import tqdm
+
+    from ..analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
+    from ..models import load_model
+
+    config = config_from_args(args)
+    taken = [args.out / name for name in (REPORT_JSON, REPORT_PNG) if (args.out / name).exists()]
+    if taken and not args.force:
+        raise CliError(f"{taken[0]} exists: choose another --out or pass --force")
+    sources = user_sources(args)
+    quiet_libraries()
+    loaded = load_model(args.model)
+    with tqdm(desc="analyze", unit="seq", file=sys.stderr, disable=None) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done)
+
+        report = run_analyze(loaded.model, loaded.tokenizer, config, sources=sources, name=args.model,
+                             progress=progress)
+    json_path, png_path = write_outputs(report, args.out)
+    if args.json:
+        print(report.to_json())
+        return
+    print(format_table(report))
+    print(f"wrote {json_path} and {png_path}")
