@@ -34,6 +34,8 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
+from .tensorrt_rules import RESTRICTION_CHECKS
+
 OPS_FILE = Path(__file__).with_name("tensorrt_ops.json")
 FAILING = ("unsupported", "dtype")          # these make CompatReport.ok False
 STATUS_ORDER = ("unsupported", "dtype", "restriction", "ok")
@@ -135,7 +137,7 @@ def check_model(path_or_proto: str | Path | onnx.ModelProto, graph_name: str) ->
             entry = matrix["ops"].get(op, {})
             parts = [", ".join(sorted(seen_dtypes[op])) or "no typed tensors"]
             parts += sorted(notes[op])
-            if entry.get("restrictions") and op not in _CONSTANT_INPUTS and op not in _SPECIFIC:
+            if entry.get("restrictions") and op not in _CONSTANT_INPUTS and op not in RESTRICTION_CHECKS:
                 parts.append(f"unchecked TensorRT restriction: {entry['restrictions']}")
             detail = "; ".join(parts)
         findings.append(Finding(graph_name, op, count, status, detail))
@@ -233,7 +235,7 @@ def _check_node(node, op, opset, matrix, types, consts, seen_dtypes, notes) -> l
                 notes[node.op_type].add(f"{what} constant")
             else:
                 problems.append(("restriction", _computed_input_detail(node.op_type, what, entry)))
-    check = _SPECIFIC.get(node.op_type)
+    check = RESTRICTION_CHECKS.get(node.op_type)
     if check:
         problems += check(node, entry, consts, opset)
     return problems
@@ -294,89 +296,6 @@ def _typed_tensors(node, opset) -> list[str]:
 def _trt_dtype(elem: int) -> str:
     name = onnx.TensorProto.DataType.Name(elem)
     return _TRT_DTYPE.get(name, name)
-
-
-# Checks of documented restrictions: op -> f(node, entry, consts, opset) -> [(status, detail)]
-
-def _attention(node, entry, consts, opset):
-    bad = [n for i, n in enumerate(node.input) if i >= 4 and n] + [n for i, n in enumerate(node.output) if i >= 1 and n]
-    if bad:
-        return [("unsupported", f"past_key/past_value/nonpad_kv_seqlen inputs and present/qk outputs are "
-                                f"unsupported (found {', '.join(bad)}); TensorRT: {entry['restrictions']}")]
-    return []
-
-
-def _tensor_scatter(node, entry, consts, opset):
-    axis = _attr(node, "axis", -2)
-    return [] if axis == -2 else [("unsupported", f"axis={axis}; TensorRT: {entry['restrictions']}")]
-
-
-def _scatter_nd(node, entry, consts, opset):
-    reduction = _attr(node, "reduction", b"none")
-    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    return [] if reduction == "none" else [("unsupported", f"reduction={reduction}; TensorRT: {entry['restrictions']}")]
-
-
-def _top_k(node, entry, consts, opset):
-    out = [] if _attr(node, "sorted", 1) == 1 else [("unsupported", "sorted=0; TensorRT: " + entry["restrictions"])]
-    k = consts.value(node.input[1]) if len(node.input) > 1 else None
-    if k is not None and int(k.reshape(-1)[0]) >= 3840:
-        out.append(("unsupported", f"K={int(k.reshape(-1)[0])}; TensorRT: {entry['restrictions']}"))
-    return out
-
-
-def _layer_norm(node, entry, consts, opset):
-    extra = [n for n in node.output[1:] if n]
-    return [("unsupported", f"outputs {extra} used; TensorRT: {entry['restrictions']}")] if extra else []
-
-
-def _constant(node, entry, consts, opset):
-    bad = [a.name for a in node.attribute if a.name in ("sparse_value", "value_string", "value_strings")]
-    return [("unsupported", f"attribute {bad[0]}; TensorRT: {entry['restrictions']}")] if bad else []
-
-
-def _max_pool(node, entry, consts, opset):
-    return [("unsupported", "the Indices output is unsupported")] if len(node.output) > 1 and node.output[1] else []
-
-
-def _squeeze(node, entry, consts, opset):
-    has_axes = (len(node.input) > 1 and node.input[1]) if opset >= 13 else _attr(node, "axes", None) is not None
-    dims = consts.shapes.get(node.input[0]) if node.input else None
-    if has_axes or (dims is not None and all(d is not None for d in dims)):
-        return []
-    return [("restriction", "no `axes`: TensorRT must know at build time which dims are 1, and the input has "
-                            "dynamic dims; give the axes as a constant")]
-
-
-def _if(node, entry, consts, opset):
-    branches = {a.name: a.g for a in node.attribute if a.name in ("then_branch", "else_branch")}
-    ranks = {name: [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None
-                    for o in g.output] for name, g in branches.items()}
-    then, other = ranks.get("then_branch", []), ranks.get("else_branch", [])
-    if any(a is not None and b is not None and a != b for a, b in zip(then, other)):
-        return [("unsupported", f"branch outputs differ in rank ({then} vs {other}); TensorRT: {entry['restrictions']} "
-                                "(merged decoders break this way: optimum#2013)")]
-    return [("restriction", f"If node (TensorRT: {entry['restrictions']}); popcompile graphs must not "
-                            "contain If (DESIGN.md): export without control flow")]
-
-
-def _loop(node, entry, consts, opset):
-    return [("restriction", f"{node.op_type} node: TensorRT: {entry.get('restrictions') or 'supported'}; popcompile "
-                            "graphs must not contain control flow (DESIGN.md): unroll it at export")]
-
-
-_SPECIFIC = {
-    "Attention": _attention, "TensorScatter": _tensor_scatter, "ScatterND": _scatter_nd, "TopK": _top_k,
-    "LayerNormalization": _layer_norm, "Squeeze": _squeeze, "Constant": _constant, "MaxPool": _max_pool, "If": _if,
-    "Loop": _loop, "Scan": _loop,
-}
-
-
-def _attr(node, name, default):
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
 
 
 # --------------------------------------------------------------------------------------------- graph-level
