@@ -22,8 +22,9 @@ from popcompile.models import load_model
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
-from tiny import empty_past, run_graph
-from tiny_engine import tiny_engine
+from popcompile.models import LoadedModel, ModelSource
+from tiny import empty_past, run_graph, tiny_model
+from tiny_engine import tiny_engine, tiny_tokenizer
 
 ONNX_ATOL = 1e-4  # fp32 ORT vs eager torch logits: different kernels, same math
 # K/V are compared relative to their size: Gemma 3's values reach ~100, where 1e-4 absolute is below
@@ -158,16 +159,44 @@ def test_kv_buffer_hands_prefill_rows_to_the_next_step_without_a_copy():
         assert not np.shares_memory(got, want)
 
 
+def test_kv_buffer_with_one_kv_head_lets_graphs_read_and_write_the_cache_in_place():
+    layout, rng = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, max_seq=16), np.random.default_rng(1)
+    buffer = KVBuffer(layout, batch=2)
+    assert buffer.in_place(1) and not buffer.in_place(2)
+    for steps in (5, 1):
+        views, rows = buffer.present(1, steps), _rows(rng, 1, layout, steps)
+        assert all(np.shares_memory(v, buffer.data) and v.flags.c_contiguous for v in views)
+        for view, new in zip(views, rows):
+            view[...] = new
+        start = buffer.length
+        buffer.write(views, np.ones((1, steps), np.int64))
+        np.testing.assert_array_equal(buffer.data[1, 0, 0, 0, start:start + steps], rows[2][0, 0])
+    past = buffer.past(1)
+    assert all(np.shares_memory(p, buffer.data) and p.shape == (1, 1, 6, 4) for p in past)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_engine(tmp_path_factory) -> Path:
     return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama", cut=3, max_seq=64)
 
 
+@pytest.fixture(scope="module")
+def tiny_one_kv_head_engine(tmp_path_factory) -> Path:
+    """One KV head: at batch 1 the graphs bind the cache rows themselves (KVBuffer.in_place)."""
+    model, tokenizer = tiny_model("llama", kv_heads=1), tiny_tokenizer()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = tmp_path_factory.mktemp("tiny") / "llama-1kv"
+    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, cut=3, max_seq=64)
+    return out
+
+
+@pytest.mark.parametrize("engine", ["tiny_llama_engine", "tiny_one_kv_head_engine"])
 @pytest.mark.parametrize("mode", ["pop", "full"])
-def test_io_binding_generates_what_plain_run_generates(tiny_llama_engine, mode):
+def test_io_binding_generates_what_plain_run_generates(engine, mode, request):
+    folder = request.getfixturevalue(engine)
     prompts = [[5, 9, 12, 40, 41, 7, 3, 88, 19], [61, 3, 70]]  # left-padded batch of two lengths
     sampling = SamplingConfig(max_new_tokens=6)
-    bound, plain = PopSession(tiny_llama_engine), PopSession(tiny_llama_engine, io_binding=False)
+    bound, plain = PopSession(folder), PopSession(folder, io_binding=False)
     for batch in (prompts, prompts[:1]):
         got = [r.token_ids for r in bound.generate(batch, sampling, mode=mode)]
         assert got == [r.token_ids for r in plain.generate(batch, sampling, mode=mode)]

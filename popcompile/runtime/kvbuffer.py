@@ -18,6 +18,10 @@ empty cache (a prefill, or the full model on the whole prompt), its present rows
 exactly the next step's past. ``past`` then hands them over without a copy: the boundary step reads
 what the prefill graph wrote. Later steps gather (docs/kv.md has the numbers). Both arrays are
 allocated once, with ``np.zeros``/``np.empty``: pages cost memory only once a step touches them.
+
+Where the layout allows (``batch * kv_heads == 1``, e.g. Gemma 3 270M at batch 1), the cache rows are
+contiguous themselves: ``past`` and ``present`` are views of the cache, a graph reads and writes the
+cache in place, and ``write`` copies nothing.
 """
 from __future__ import annotations
 
@@ -53,9 +57,20 @@ class KVBuffer:
         shape = (batch, self.layout.num_kv_heads, rows, dim)
         return [self.staging[i, start:start + size].reshape(shape) for i in range(len(self.staging))]
 
+    def in_place(self, batch: int) -> bool:
+        """Whether the first ``batch`` sequences' rows of a layer are contiguous in the cache itself."""
+        return batch * self.layout.num_kv_heads == 1
+
+    def _cache_views(self, start: int, end: int) -> list[np.ndarray]:
+        """[1, 1, end-start, D] views of cache rows start..end-1 (contiguous when ``in_place(1)``)."""
+        return [self.data[index // 2, index % 2, :1, :, start:end, :] for index in range(2 * self.layout.num_layers)]
+
     def past(self, batch: int) -> list[np.ndarray]:
         """Rows 0..length-1 of the first ``batch`` sequences as contiguous arrays, in the graph inputs'
-        order (k0, v0, k1, ...). Views into staging: valid until the next ``past``/``present`` call."""
+        order (k0, v0, k1, ...). Views into staging (or the cache, ``in_place``): read-only for the
+        caller, valid until the next ``past``/``present`` call."""
+        if self.in_place(batch):
+            return self._cache_views(0, self.length)
         views = self._views(batch, 0, self.length)
         if self._staged != (batch, self.length):
             for index, view in enumerate(views):
@@ -64,12 +79,16 @@ class KVBuffer:
         return views
 
     def present(self, batch: int, steps: int) -> list[np.ndarray]:
-        """Where a graph writes its ``steps`` new rows: [batch, H_kv, steps, D] views just after the past.
+        """Where a graph writes its ``steps`` new rows: [batch, H_kv, steps, D] views just after the past
+        (in staging, or the cache rows themselves when ``in_place``).
 
         Bind them as the graph's outputs, then pass them to ``write``."""
         if self.length + steps > self.layout.max_seq:
             raise ValueError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}")
-        self._handed = self._views(batch, self.length, steps)
+        if self.in_place(batch):
+            self._handed = self._cache_views(self.length, self.length + steps)
+        else:
+            self._handed = self._views(batch, self.length, steps)
         return self._handed
 
     def write(self, present: list[np.ndarray], new_mask: np.ndarray) -> None:
@@ -78,11 +97,12 @@ class KVBuffer:
         end = self.length + steps
         if end > self.layout.max_seq:
             raise ValueError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}")
-        for index, rows in enumerate(present):
-            self.data[index // 2, index % 2, :batch, :, self.length:end, :] = rows
-        in_staging = self._handed is not None and all(a is b for a, b in zip(present, self._handed))
+        handed = self._handed is not None and all(a is b for a, b in zip(present, self._handed))
+        if not (handed and self.in_place(batch)):  # in place: the graph wrote the cache rows itself
+            for index, rows in enumerate(present):
+                self.data[index // 2, index % 2, :batch, :, self.length:end, :] = rows
         # From an empty cache, the rows just written are laid out in staging exactly as the next past.
-        self._staged = (batch, end) if in_staging and self.length == 0 else None
+        self._staged = (batch, end) if handed and self.length == 0 else None
         self._handed = None
         self.mask[:batch, self.length:end] = new_mask
         self.length = end
