@@ -1,0 +1,47 @@
+"""`popcompile export` choices that need no real model: --cut auto, its options, bad values."""
+from __future__ import annotations
+
+import pytest
+from tiny import tiny_model
+from tiny_engine import tiny_tokenizer
+
+from popcompile.cli import main
+from popcompile.exporters.manifest import EngineManifest
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny llama saved as a Hugging Face folder (what `export FOLDER` loads)."""
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    model = tiny_model("llama", layers=6, max_position_embeddings=512)
+    tokenizer = tiny_tokenizer(model.config.vocab_size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_cut_auto_takes_analyze_recommendation_and_records_it(tiny_folder, tmp_path):
+    out = tmp_path / "engine"
+    assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "auto", "--max-seq", "64"]) == 0
+    manifest = EngineManifest.read(out)
+    choice = manifest.extra["cut_choice"]
+    assert choice["method"] == "analyze" and choice["cut"] == manifest.cut
+    assert 1 <= manifest.cut <= 6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-agreement", "0.9"], "use them with --cut auto"),
+    (["--cut", "4", "--budget", "0.1"], "use them with --cut auto"),
+    (["--cut", "auto", "--min-agreement", "0.9", "--budget", "0.1"], "give one"),
+])
+def test_cut_choice_options_are_checked_before_any_work(tiny_folder, tmp_path, capsys, args, message):
+    out = tmp_path / "engine"
+    assert main(["export", str(tiny_folder), "--out", str(out), *args]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_cut_must_be_a_number_or_auto(tiny_folder, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(tiny_folder), "--out", str(tmp_path / "e"), "--cut", "deep"])
+    assert exit_info.value.code == 2 and "'auto'" in capsys.readouterr().err
