@@ -45,6 +45,7 @@ def export(
     model: str | LoadedModel, out_dir: str | Path, *, cut: int | None = None,
     prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
     kv_calibration: str | Path | None = None, progress: Callable[[str], None] | None = None,
+    cut_choice: dict | None = None,
     dtype: str = "float32",
 ) -> EngineManifest:
     """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``.
@@ -52,7 +53,8 @@ def export(
     ``dtype="float16"`` casts the model (a copy, when the caller passed a loaded one) before capture,
     so weights, activations, the KV signature (``KVLayout.dtype``) and logits are float16; the
     models' norms and RoPE tables still compute in float32 internally, as in PyTorch. POP+ weights are
-    fitted in float32 first, then cast. onnxruntime's CPU provider refuses float16 engines
+    fitted in float32 first, then cast. ``cut_choice``: how an automatic cut was chosen (method and
+    measured figures), recorded in the manifest's ``extra``. onnxruntime's CPU provider refuses float16 engines
     (docs/benchmarks.md says why): run them with ``provider="cuda"``.
     """
     if dtype not in DTYPES:
@@ -81,7 +83,7 @@ def export(
         loaded.tokenizer.save_pretrained(tmp)
         loaded.model.generation_config.save_pretrained(tmp)
         loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
-        manifest = _manifest(tmp, loaded, pair, weights_bytes, fit)
+        manifest = _manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice)
         manifest.write(tmp)
     return manifest
 
@@ -192,7 +194,7 @@ def kv_fit(loaded: LoadedModel, cut: int, kv_calibration: str | Path | None) -> 
 
 
 def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,
-              fit: KVFit | None) -> EngineManifest:
+              fit: KVFit | None, cut_choice: dict | None) -> EngineManifest:
     graphs = {}
     for name in ("prefill", "decode"):
         path = folder / f"{name}.onnx"
@@ -208,7 +210,7 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
                "model_type": loaded.model.config.model_type},
         num_layers=pair.num_layers, cut=pair.cut, kv_layout=pair.layout, graphs=graphs,
         weights={"file": WEIGHTS, "bytes": weights_bytes}, dtype=pair.layout.dtype,
-        versions=_versions(), extra={"kv_calibration": asdict(fit.info) if fit else None},
+        versions=_versions(), extra={"kv_calibration": asdict(fit.info) if fit else None, "cut_choice": cut_choice},
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
     )
 
