@@ -130,7 +130,7 @@ def plot_sweep(results: dict, path: Path) -> None:
     ax.set_ylabel("top-1 agreement with full (solid)")
     right.set_ylabel("continuation NLL, nats/token (dashed)")
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="lower left")
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="center left")
     ax.grid(alpha=0.3)
     ax.set_title(f"{results['model']}: cut sweep (labels: cut of {results['num_layers']} layers)", fontsize=10)
     fig.tight_layout()

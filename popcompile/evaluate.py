@@ -33,7 +33,7 @@ from . import eval_data, reference
 from .humaneval import CODE_EXEC_REFUSAL, humaneval_eval
 from .eval_report import format_table, plot_quality, plot_sweep, report  # noqa: F401 (re-exported)
 from .reference import Variant
-from .sweep import SWEEP_VARIANTS, auto_cut, auto_cuts, sweep, sweep_cuts  # noqa: F401 (re-exported)
+from .sweep import SWEEP_VARIANTS, auto_cut, auto_cuts, choose_cut, sweep, sweep_cuts  # noqa: F401 (re-exported)
 
 @dataclass(frozen=True)
 class VariantContext:
