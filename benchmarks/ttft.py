@@ -1,4 +1,4 @@
-"""TTFT of POP vs full with onnxruntime (CPU), side by side in one run, and decode speed of both.
+"""TTFT of POP vs full with onnxruntime, side by side in one run, and decode speed of both.
 
 For each model an engine folder is exported once (cached in ~/.cache/popcompile/bench-engines) and one
 PopSession runs both modes on the same prompt token ids (real text: standard-library sources):
@@ -7,9 +7,14 @@ PopSession runs both modes on the same prompt token ids (real text: standard-lib
     full: decode.onnx on x_1..x_N
 
 Repetitions are interleaved (pop, full, full, pop, ...) and the table shows medians, their ratio and the
-FLOP bound of the same cut (popcompile.cost). Decode tokens/s is measured over 32 greedy tokens per mode.
+FLOP bound of the same cut (popcompile.cost). Decode tokens/s is measured over 32 greedy tokens per mode,
+reps/2 (at least 2) interleaved runs each; "dec ratio" is the median paired POP/full decode speed.
+``--split`` also times the graphs alone (InferenceSession.run, no generation loop), interleaved: the full
+graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to show where POP's time goes.
 
     python benchmarks/ttft.py --models smollm2-135m gemma3-270m --tokens 512 1024 2048 --reps 5
+    python benchmarks/ttft.py --models smollm2-135m --tokens 1024 --no-io-binding     # plain run(), for comparison
+    python benchmarks/ttft.py --dtype float16 --provider cuda                          # float16 needs a GPU provider
 """
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ import inspect
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 
+import numpy as np
 import onnxruntime
 
 from popcompile.cost import speedup_bound
@@ -31,10 +38,10 @@ CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
 MAX_SEQ = 4096
 
 
-def engine(model: str) -> Path:
-    folder = CACHE / f"{model}-maxseq{MAX_SEQ}"
+def engine(model: str, dtype: str = "float32") -> Path:
+    folder = CACHE / (f"{model}-maxseq{MAX_SEQ}" + ("" if dtype == "float32" else f"-{dtype}"))
     if not folder.exists():
-        export(model, folder, max_seq=MAX_SEQ)
+        export(model, folder, max_seq=MAX_SEQ, dtype=dtype)
     return folder
 
 
@@ -56,28 +63,70 @@ def measure(session: PopSession, ids: list[int], reps: int) -> dict:
     for rep in range(reps):
         for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
             ttft[mode].append(time_mode(session, ids, mode)[0])
-    decode = {mode: statistics.median(time_mode(session, ids, mode, 33)[1] for _ in range(2))
-              for mode in ("pop", "full")}
+    decode: dict[str, list[float]] = {"pop": [], "full": []}
+    for rep in range(max(2, reps // 2)):  # interleaved too: the same graph runs in both modes
+        for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
+            decode[mode].append(time_mode(session, ids, mode, 33)[1])
     pairs = [f / p for f, p in zip(ttft["full"], ttft["pop"])]
     return {"full_ttft_s": statistics.median(ttft["full"]), "pop_ttft_s": statistics.median(ttft["pop"]),
-            "pair_ratio": statistics.median(pairs), "full_decode_tok_s": decode["full"],
-            "pop_decode_tok_s": decode["pop"]}
+            "pair_ratio": statistics.median(pairs), "full_decode_tok_s": statistics.median(decode["full"]),
+            "pop_decode_tok_s": statistics.median(decode["pop"]),
+            "decode_pair_ratio": statistics.median(p / f for p, f in zip(decode["pop"], decode["full"]))}
+
+
+def split(session: PopSession, ids: list[int], reps: int) -> dict:
+    """Graph-only medians (s): full graph on N tokens; prefill graph on N-1 and the boundary step over
+    its rows (fed straight from the prefill's outputs); interleaved, one warm-up round."""
+    layout, n = session.layout, len(ids)
+    dtype = np.float16 if layout.dtype == "float16" else np.float32
+    tokens = np.array([ids], dtype=np.int64)
+
+    def run(graph: str, start: int, seq: slice, past: list | None = None) -> tuple[float, list]:
+        chunk = tokens[:, seq]
+        past = past or [np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), dtype) for _ in layout.past_names]
+        feeds = {"input_ids": chunk, "position_ids": np.arange(start, start + chunk.shape[1])[None],
+                 "attention_mask": np.ones((1, start + chunk.shape[1]), np.int64),
+                 **dict(zip(layout.past_names, past))}
+        began = time.perf_counter()
+        outputs = session.sessions[graph].run(None, feeds)
+        return time.perf_counter() - began, outputs
+
+    times: dict[str, list[float]] = {"full": [], "prefill": [], "boundary": []}
+    for rep in range(reps + 1):
+        for mode in (("full", "pop") if rep % 2 == 0 else ("pop", "full")):
+            if mode == "full":
+                times["full"].append(run("decode", 0, slice(None))[0])
+                continue
+            seconds, present = run("prefill", 0, slice(0, n - 1))
+            times["prefill"].append(seconds)
+            times["boundary"].append(run("decode", n - 1, slice(n - 1, n), present)[0])
+    return {f"{name}_graph_s": statistics.median(values[1:]) for name, values in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"], help="shipped model names")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048], help="prompt lengths")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per mode (after a warm-up)")
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                        help="engine precision (float16 needs --provider cuda or tensorrt)")
+    parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+                        help="onnxruntime execution provider")
+    parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: onnxruntime's, one per core)")
+    parser.add_argument("--io-binding", action=argparse.BooleanOptionalAction, default=True,
+                        help="run with IO binding (default) or plain InferenceSession.run")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the full graph, the prefill graph and the boundary step alone")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = []
-    print(f"onnxruntime {onnxruntime.__version__} CPU, {platform.processor() or platform.machine()}")
-    print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'bound':>6} {'of bound':>8} "
-          f"{'dec full':>8} {'dec POP':>8}")
+    print(f"onnxruntime {onnxruntime.__version__} {args.provider}, {platform.processor() or platform.machine()}, "
+          f"{args.dtype}, io_binding={args.io_binding}, threads={args.threads or 'default'}")
+    print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'paired':>6} {'bound':>6} {'of bound':>8} "
+          f"{'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
     for model in args.models:
-        folder = engine(model)
-        session = PopSession(folder)
+        folder = engine(model, args.dtype)
+        session = PopSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
         config = json.loads((folder / "config.json").read_text())
         text_ids = session.tokenizer.encode(real_text())
         for n in args.tokens:
@@ -86,11 +135,26 @@ def main() -> None:
             row["ratio"] = row["full_ttft_s"] / row["pop_ttft_s"]
             row["bound"] = speedup_bound(config, n, session.manifest.cut)
             rows.append(row)
-            print(f"{model:14} {n:>6} {row['full_ttft_s']:>8.3f} {row['pop_ttft_s']:>8.3f} {row['ratio']:>6.3f} "
-                  f"{row['bound']:>6.3f} {100 * row['ratio'] / row['bound']:>7.1f}% "
-                  f"{row['full_decode_tok_s']:>8.1f} {row['pop_decode_tok_s']:>8.1f}", flush=True)
+            print(_row_line(row), flush=True)
+            if args.split:
+                row.update(split(session, text_ids[:n], args.reps))
+                print(_split_line(row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+
+
+def _row_line(row: dict) -> str:
+    return (f"{row['model']:14} {row['tokens']:>6} {row['full_ttft_s']:>8.3f} {row['pop_ttft_s']:>8.3f} "
+            f"{row['ratio']:>6.3f} {row['pair_ratio']:>6.3f} {row['bound']:>6.3f} "
+            f"{100 * row['ratio'] / row['bound']:>7.1f}% {row['full_decode_tok_s']:>8.1f} "
+            f"{row['pop_decode_tok_s']:>8.1f} {row['decode_pair_ratio']:>9.3f}")
+
+
+def _split_line(row: dict) -> str:
+    full, prefill, boundary = row["full_graph_s"], row["prefill_graph_s"], row["boundary_graph_s"]
+    return (f"{'':14} graphs alone: full {full:.3f} s, prefill {prefill:.3f} s, boundary {1000 * boundary:.1f} ms "
+            f"({100 * boundary / (prefill + boundary):.1f}% of POP); full/prefill {full / prefill:.3f}, "
+            f"full/(prefill+boundary) {full / (prefill + boundary):.3f}")
 
 
 if __name__ == "__main__":
