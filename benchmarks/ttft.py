@@ -15,6 +15,7 @@ graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to s
     python benchmarks/ttft.py --models smollm2-135m gemma3-270m --tokens 512 1024 2048 --reps 5
     python benchmarks/ttft.py --models smollm2-135m --tokens 1024 --no-io-binding     # plain run(), for comparison
     python benchmarks/ttft.py --dtype float16 --provider cuda                          # float16 needs a GPU provider
+    python benchmarks/ttft.py --models smollm2-135m --step-cost 512 1024 2048 --reps 9 # docs/kv.md's table
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import onnxruntime
 from popcompile.cost import speedup_bound
 from popcompile.exporters.onnx import export
 from popcompile.runtime.generate import SamplingConfig
+from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
 
 CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
@@ -103,7 +105,37 @@ def split(session: PopSession, ids: list[int], reps: int) -> dict:
     return {f"{name}_graph_s": statistics.median(values[1:]) for name, values in times.items()}
 
 
-def main() -> None:
+def step_costs(session: PopSession, rows: int, reps: int) -> dict:
+    """One decode step after ``rows`` cached rows (ms, medians, interleaved): the decode graph's run,
+    gathering the past into fresh arrays (the runtime before IO binding) or into the staging area
+    (now), and the zero-copy alternative: the graph over the whole max_seq buffer, masked."""
+    layout, decode = session.layout, session.sessions["decode"]
+    buffer = KVBuffer(layout, 1)
+    buffer.data[:] = np.random.default_rng(0).standard_normal(buffer.data.shape).astype(buffer.data.dtype) * 0.1
+    buffer.length, total = rows, layout.max_seq - 1
+
+    def feeds(past: list, seen: int) -> dict:
+        mask = np.zeros((1, seen + 1), np.int64)
+        mask[:, :rows], mask[:, -1] = 1, 1  # rows rows..seen-1 of a whole buffer are unwritten
+        return {"input_ids": np.array([[42]], np.int64), "position_ids": np.array([[rows]], np.int64), "attention_mask": mask,
+                **dict(zip(layout.past_names, past))}
+
+    whole = [np.ascontiguousarray(buffer.data[i // 2, i % 2, :1, :, :total]) for i in range(len(layout.past_names))]
+    runs = {"fresh copies": lambda: [np.ascontiguousarray(buffer.data[i // 2, i % 2, :1, :, :rows])
+                                     for i in range(len(layout.past_names))],
+            "staging": lambda: (buffer.reset(), setattr(buffer, "length", rows), buffer.past(1)),
+            "decode step": lambda: decode.run(None, feeds(buffer.past(1), rows)),
+            "whole buffer": lambda: decode.run(None, feeds(whole, total))}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(reps + 1):
+        for name, work in runs.items():
+            began = time.perf_counter()
+            work()
+            times[name].append(time.perf_counter() - began)
+    return {name: 1000 * statistics.median(values[1:]) for name, values in times.items()}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"], help="shipped model names")
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048], help="prompt lengths")
@@ -117,8 +149,18 @@ def main() -> None:
                         help="run with IO binding (default) or plain InferenceSession.run")
     parser.add_argument("--split", action="store_true",
                         help="also time the full graph, the prefill graph and the boundary step alone")
+    parser.add_argument("--step-cost", nargs="+", type=int, metavar="ROWS",
+                        help="instead: per decode step after ROWS cached rows, the cost of the past's copies "
+                             "against the step (docs/kv.md)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.step_cost:
+        print_step_costs(args)
+        return
     rows = []
     print(f"onnxruntime {onnxruntime.__version__} {args.provider}, {platform.processor() or platform.machine()}, "
           f"{args.dtype}, io_binding={args.io_binding}, threads={args.threads or 'default'}")
@@ -141,6 +183,17 @@ def main() -> None:
                 print(_split_line(row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+
+
+def print_step_costs(args) -> None:
+    for model in args.models:
+        session = PopSession(engine(model, args.dtype), provider=args.provider, threads=args.threads)
+        for rows in args.step_cost:
+            cost = step_costs(session, rows, args.reps)
+            step = cost["decode step"]
+            print(f"{model:14} past {rows:>5}: decode step {step:.1f} ms; fresh copies {cost['fresh copies']:.2f} ms "
+                  f"({100 * cost['fresh copies'] / step:.0f}%); staging {cost['staging']:.2f} ms "
+                  f"({100 * cost['staging'] / step:.0f}%); whole buffer, masked: {cost['whole buffer']:.1f} ms", flush=True)
 
 
 def _row_line(row: dict) -> str:
