@@ -39,14 +39,14 @@ from .passes.gates import BRANCHES, STAGES, GateResult, gate_pass
 from .passes.pop import resolve_cut
 
 #: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).
-DEFAULT_BUDGET = 0.05
+DEFAULT_BUDGET = 0.01
 REPORT_JSON = "analyze.json"
 REPORT_PNG = "analyze.png"
 
 
 @dataclass(frozen=True)
 class AnalyzeConfig:
-    samples: int = 64  # sequences scored (fewer when the text runs out)
+    samples: int = 32  # sequences scored (fewer when the text runs out)
     context_len: int = 512  # prompt tokens N; POP prefills N - 1 of them
     gen_len: int = 32  # tokens predicted after the prompt (the decode stage)
     batch_size: int = 2  # sequences per forward-backward (memory grows linearly with it)
@@ -65,7 +65,7 @@ class AnalyzeConfig:
         return self.context_len + self.gen_len
 
 
-#: A quick configuration for ``recommended_cut`` (export --cut auto): about a minute on a CPU.
+#: A quick configuration for ``recommended_cut`` (export --cut auto): 2-3 minutes on a shared 2-core CPU.
 AUTO_CONFIG = AnalyzeConfig(samples=16, context_len=256, gen_len=32)
 
 
@@ -431,7 +431,7 @@ def format_table(report: AnalyzeReport) -> str:
     lines += [f"deep layers {deep.cut}..{report.num_layers - 1} (default cut): prefill {deep.prefill:.3g} "
               f"({deep.prefill_share:.1%} of all prefill) vs decode {deep.decode:.3g} ({deep.decode_share:.1%} of "
               f"all decode); prefill below decode in {deep.layers_prefill_lower} of {report.num_layers - deep.cut}",
-              f"recommended cut (budget {cfg.budget:.0%} of prefill importance): {report.recommended_cut} "
+              f"recommended cut (budget {cfg.budget:.1%} of prefill importance): {report.recommended_cut} "
               f"(prunes {report.num_layers - report.recommended_cut} layers; default cut {deep.cut})",
               f"{report.seconds:.0f} s, peak memory {report.peak_rss_mb:.0f} MB"]
     return "\n".join(lines)
@@ -489,7 +489,7 @@ def _plot_share(ax, report: AnalyzeReport) -> None:
     cuts = list(range(1, len(prefill)))
     shares = [sum(prefill[c:]) / (sum(prefill) or 1.0) for c in cuts]
     ax.plot(cuts, _positive(shares), "o-", color="tab:blue", label="prefill importance pruned")
-    ax.axhline(report.config.budget, color="black", lw=1, label=f"budget {report.config.budget:.0%}")
+    ax.axhline(report.config.budget, color="black", lw=1, label=f"budget {report.config.budget:.1%}")
     ax.set(title="share of prefill importance in layers cut..L-1", xlabel="cut (first pruned layer)",
            ylabel="share")
 

@@ -292,7 +292,7 @@ def test_cli_writes_table_json_and_plot(tmp_path, fake_loader, capsys):
             "--gen-len", "4", "--budget", "0.3"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "recommended cut (budget 30%" in printed and (out / "analyze.json").exists()
+    assert "recommended cut (budget 30.0%" in printed and (out / "analyze.json").exists()
     assert main(argv) == 2 and "exists" in capsys.readouterr().err  # no silent overwrite
     assert main([*argv, "--force", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["samples"] == 3
@@ -339,7 +339,7 @@ def test_real_model_small_run(name, tmp_path):
     start = time.perf_counter()
     report = analyze.run_analyze(loaded.model, loaded.tokenizer, config, name=name)
     json_path, png_path = analyze.write_outputs(report, tmp_path)
-    assert time.perf_counter() - start < 240  # ~40-105 s measured on the shared 2-core CPU; margin for load
+    assert time.perf_counter() - start < 240  # 14-105 s measured on the shared 2-core CPU, by its load
     assert report.samples == 4 and report.corpus == {"humaneval": 2, "stdlib-docstrings": 2}
     assert 0.5 < report.loss < 5.0  # real text through a real model (nats per token)
     assert report.layers[-1].prefill.layer == 0.0 and report.layers[-1].decode.layer > 0

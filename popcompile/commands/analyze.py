@@ -21,7 +21,7 @@ def register(sub) -> None:
                                    "recommend a cut.")
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
     p.add_argument("--out", required=True, type=Path, help="folder for analyze.json and analyze.png (created)")
-    p.add_argument("--samples", type=int, help="sequences to score (default 64)")
+    p.add_argument("--samples", type=int, help="sequences to score (default 32)")
     p.add_argument("--context-len", type=int, help="prompt tokens per sequence; POP prefills all but the "
                                                    "last (default 512)")
     p.add_argument("--gen-len", type=int, help="tokens predicted after the prompt: the decode stage (default 32)")
@@ -32,7 +32,7 @@ def register(sub) -> None:
                         "(repeatable)")
     p.add_argument("--jsonl-field", default="text", help="field holding the text in --jsonl objects (default text)")
     p.add_argument("--budget", type=float, help="share of the total prefill importance the recommended cut may "
-                                                "prune (default 0.05)")
+                                                "prune (default 0.01)")
     p.add_argument("--batch-size", type=int, help="sequences per forward-backward; memory grows with it (default 2)")
     p.add_argument("--force", action="store_true", help="overwrite analyze.json/analyze.png in --out")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
