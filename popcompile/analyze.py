@@ -325,6 +325,8 @@ def cut_from_scores(prefill: Sequence[float], budget: float) -> int:
     Never below 1: layer 0 always runs."""
     if not 0.0 <= budget < 1.0:
         raise ValueError(f"budget={budget} is out of range: use 0 <= budget < 1")
+    if len(prefill) == 1:
+        return 1  # one layer: it is the last, its prefill importance is 0, and layer 0 always runs
     total = float(sum(prefill))
     if not math.isfinite(total) or total <= 0 or min(prefill) < 0:
         raise ValueError(f"prefill importances must be finite, >= 0 and not all 0, got total {total}")
@@ -345,8 +347,7 @@ def recommend_cut(report: AnalyzeReport, budget: float) -> int:
 def deep_summary(layers: Sequence[LayerScore]) -> DeepSummary:
     """Prefill against decode importance of the layers the default cut prunes (the last third)."""
     cut = resolve_cut(len(layers))
-    prefill = [layer.prefill.layer for layer in layers]
-    decode = [layer.decode.layer for layer in layers]
+    prefill, decode = ([getattr(layer, stage).layer for layer in layers] for stage in STAGES)
     deep_p, deep_d = sum(prefill[cut:]), sum(decode[cut:])
     lower = sum(p < d for p, d in zip(prefill[cut:], decode[cut:]))
     return DeepSummary(cut, deep_p, deep_d, deep_p / (sum(prefill) or 1.0), deep_d / (sum(decode) or 1.0), lower)
@@ -368,10 +369,9 @@ def run_analyze(model: torch.nn.Module, tokenizer: Any, config: AnalyzeConfig = 
     _check_model(model, config)
     windows, taken = token_windows(default_sources() if sources is None else sources, tokenizer,
                                    config.window, config.samples)
-    batch = min(config.batch_size, len(windows))
     if progress is not None:
         progress(0, len(windows))  # the total is known before the capture (which takes a while)
-    gated = capture_scorer(model, batch, config.window - 1, config.gen_len)
+    gated = capture_scorer(model, min(config.batch_size, len(windows)), config.window - 1, config.gen_len)
     report_progress = None if progress is None else (lambda done: progress(done, len(windows)))
     grads, losses = gate_gradients(gated, windows, config.context_len, config.gen_len, report_progress)
     layers = layer_scores(grads)

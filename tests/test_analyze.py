@@ -184,6 +184,7 @@ def test_cut_is_the_deepest_block_within_the_budget(budget, cut):
 
 def test_cut_prunes_nothing_when_the_last_layer_is_over_budget():
     assert analyze.cut_from_scores([1.0, 1.0, 1.0], 0.1) == 3
+    assert analyze.cut_from_scores([0.0], 0.1) == 1  # one layer: nothing to prune
 
 
 @pytest.mark.parametrize("prefill, budget, message", [
@@ -268,6 +269,18 @@ def test_run_analyze_tiny_writes_the_outputs(tmp_path):
     assert "recommended cut" in table
 
 
+def test_recommended_cut_for_the_exporter():
+    model = tiny_model("llama", layers=LAYERS)
+    config = analyze.AnalyzeConfig(samples=3, context_len=CONTEXT, gen_len=GEN)
+    sources = {"t": [TEXT]}
+    scores = [layer.prefill.layer for layer in
+              analyze.run_analyze(model, CharTokenizer(), config, sources=sources).layers]
+    for budget in (0.0, 0.3, 0.9):
+        cut = analyze.recommended_cut(model, CharTokenizer(), budget=budget, config=config, sources=sources)
+        assert cut == analyze.cut_from_scores(scores, budget)
+    assert analyze.AUTO_CONFIG.budget == analyze.DEFAULT_BUDGET
+
+
 def test_analyze_refuses_other_dtypes():
     model = tiny_model("llama", layers=2).to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
@@ -300,7 +313,7 @@ def test_cli_writes_table_json_and_plot(tmp_path, fake_loader, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--budget", "1.5"], "budget"), (["--samples", "0"], "samples"),
-    (["--text", "/nonexistent/file.txt"], "cannot read --text"),
+    (["--text", "/nonexistent/file.txt"], "cannot read --text"), (["--out", __file__], "is a file"),
 ])
 def test_cli_errors_are_one_line(tmp_path, fake_loader, capsys, extra, message):
     assert main(["analyze", "tiny", "--out", str(tmp_path / "o"), *extra]) == 2

@@ -69,6 +69,8 @@ def cmd_analyze(args) -> None:
     from ..models import load_model
 
     config = config_from_args(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise CliError(f"--out {args.out} is a file: give a folder")
     taken = [args.out / name for name in (REPORT_JSON, REPORT_PNG) if (args.out / name).exists()]
     if taken and not args.force:
         raise CliError(f"{taken[0]} exists: choose another --out or pass --force")
