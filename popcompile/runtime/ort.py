@@ -53,8 +53,8 @@ def check_precision(manifest: EngineManifest, provider: str) -> None:
     if manifest.dtype == "float16" and provider not in FLOAT16_PROVIDERS:
         raise EngineError(
             f"this is a float16 engine and onnxruntime's {PROVIDERS.get(provider, provider)} has no float16 "
-            f"kernels for most of its nodes (it would cast to float32 around them, no faster and with twice "
-            f"the weight memory): run it with --provider cuda, or export it with --dtype float32")
+            f"kernels for most of its nodes (it casts to float32 around them and keeps float32 copies of the "
+            f"weights: no faster than float32): run it with --provider cuda, or export it with --dtype float32")
 
 
 def verify_folder(folder: Path, manifest: EngineManifest, *, hashes: bool = True) -> None:
@@ -121,12 +121,12 @@ class PopSession:
         self.folder = Path(folder)
         self.manifest = EngineManifest.read(self.folder)
         self.layout = self.manifest.kv_layout
+        providers = provider_list(provider)
         check_precision(self.manifest, provider)
         verify_folder(self.folder, self.manifest)
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
-        providers = provider_list(provider)
         self.sessions = {
             name: ort.InferenceSession(str(self.folder / entry.file), options, providers=providers)
             for name, entry in self.manifest.graphs.items()
