@@ -83,11 +83,13 @@ def _choose_cut(args, loaded) -> tuple[int, dict]:
     if args.min_agreement is not None:
         from ..sweep import choose_cut
 
-        print(f"choosing the cut: continuation sweep for agreement >= {args.min_agreement}", file=sys.stderr)
+        print(f"choosing the cut: continuation sweep for agreement >= {args.min_agreement} "
+              "(every cut from L to L/2; 10-20 min on a 2-core CPU)", file=sys.stderr)
         return choose_cut(loaded, args.min_agreement, kv_calibration=args.kv_calibration == "auto")
     from ..analyze import DEFAULT_BUDGET, recommended_cut
 
     budget = DEFAULT_BUDGET if args.budget is None else args.budget
-    print(f"choosing the cut: stage-aware importance, prefill budget {budget:.0%}", file=sys.stderr)
+    print(f"choosing the cut: stage-aware importance, prefill budget {budget:.0%} "
+          "(2-3 min on a 2-core CPU; `popcompile analyze` shows the table)", file=sys.stderr)
     cut = recommended_cut(loaded.model, loaded.tokenizer, budget=budget)
     return cut, {"method": "analyze", "budget": budget, "cut": cut}
