@@ -122,7 +122,11 @@ def _num_layers(model) -> int:
 
 def default_batch_size(model, cont_len: int) -> int:
     """Logits exist for the continuation only (the prefill keeps its last row): keep them near 1 GiB."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    return batch_size_for(model.get_output_embeddings().weight.shape[0], cont_len)
+
+
+def batch_size_for(vocab: int, cont_len: int) -> int:
+    """Documents per batch whose float32 logits [B, cont_len, vocab] stay near 1 GiB (at most 8)."""
     return max(1, min(8, 2**28 // (cont_len * vocab)))
 
 
@@ -154,29 +158,50 @@ def continuation_logits(model, prefix: torch.Tensor, continuation: torch.Tensor,
 @torch.no_grad()
 def continuation_eval(model, docs: list[eval_data.Document], variants: dict[str, Variant],
                       batch_size: int | None = None, desc: str = "continuation") -> dict[str, dict]:
-    """Teacher-forced scores of each variant. ``variants`` must hold the baseline ``full``.
+    """Teacher-forced scores of each variant (``score_continuations``) through the eager reference.
+    ``variants`` must hold the baseline ``full``."""
+    check_documents(docs, variants)
+    batch_size = batch_size or default_batch_size(model, len(docs[0].continuation))
+    logits = lambda name, prefix, target: continuation_logits(model, prefix, target, variants[name])
+    return score_continuations(docs, list(variants), logits, batch_size, desc)
 
-    Per variant: ``nll`` (mean over all continuation tokens), ``perplexity`` = exp(nll), ``agreement``
-    (argmax == the full model's argmax), ``accuracy`` (argmax == the true token), ``kl_to_full``
-    (mean KL(full || variant), nats), and per-document ``doc_nll`` / ``doc_agreement``.
-    """
-    if BASELINE not in variants:
+
+def check_documents(docs: list[eval_data.Document], names: Iterable[str]) -> None:
+    """ValueError unless the baseline is among ``names`` and the documents share one shape."""
+    if BASELINE not in names:
         raise ValueError(f"continuation_eval needs the {BASELINE!r} variant as its baseline")
     if not docs:
         raise ValueError("continuation_eval needs at least one document")
     lengths = {(len(d.prefix), len(d.continuation)) for d in docs}
     if len(lengths) != 1:
         raise ValueError(f"documents must share one prefix and continuation length, got {sorted(lengths)}")
-    batch_size = batch_size or default_batch_size(model, len(docs[0].continuation))
-    stats = {name: {"nll": [], "agree": [], "correct": [], "kl": []} for name in variants}
+
+
+#: (variant name, prefix [B, N], continuation [B, C]) -> teacher-forced logits [B, C, V]
+ContinuationLogits = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def score_continuations(docs: list[eval_data.Document], names: list[str], logits: ContinuationLogits,
+                        batch_size: int, desc: str = "continuation") -> dict[str, dict]:
+    """Teacher-forced scores of each named variant from ``logits`` (the eager reference's or an engine's),
+    in batches of ``batch_size`` documents; the baseline ``full`` comes first.
+
+    Per variant: ``nll`` (mean over all continuation tokens), ``perplexity`` = exp(nll), ``agreement``
+    (argmax == the full model's argmax), ``accuracy`` (argmax == the true token), ``kl_to_full``
+    (mean KL(full || variant), nats), and per-document ``doc_nll`` / ``doc_agreement``.
+    """
+    check_documents(docs, names)
+    names = list(dict.fromkeys([BASELINE, *names]))
+    stats = {name: {"nll": [], "agree": [], "correct": [], "kl": []} for name in names}
     batches = [docs[i:i + batch_size] for i in range(0, len(docs), batch_size)]
-    with _bar(len(batches) * len(variants), desc) as bar:
+    with _bar(len(batches) * len(names), desc) as bar:
         for batch in batches:
             prefix = torch.tensor([d.prefix for d in batch])
             target = torch.tensor([d.continuation for d in batch])
             base = None
-            for name, variant in variants.items():  # the baseline comes first
-                logp = torch.log_softmax(continuation_logits(model, prefix, target, variant).float(), dim=-1)
+            for name in names:  # the baseline comes first
+                logp = torch.log_softmax(logits(name, prefix, target).float(), dim=-1)
                 if base is None:
                     base = logp
                 s = stats[name]
@@ -185,17 +210,19 @@ def continuation_eval(model, docs: list[eval_data.Document], variants: dict[str,
                 s["correct"].append(logp.argmax(-1) == target)
                 s["kl"].append((base.exp() * (base - logp)).sum(-1))
                 bar.update(1)
-    results = {}
-    for name, s in stats.items():
-        nll, agree = torch.cat(s["nll"]), torch.cat(s["agree"]).float()
-        mean_nll = float(nll.mean())
-        results[name] = {
-            "nll": mean_nll, "perplexity": math.exp(mean_nll), "agreement": float(agree.mean()),
-            "accuracy": float(torch.cat(s["correct"]).float().mean()),
-            "kl_to_full": float(torch.cat(s["kl"]).mean().clamp_min(0)),
-            "doc_nll": [float(x) for x in nll.mean(1)], "doc_agreement": [float(x) for x in agree.mean(1)],
-        }
-    return results
+    return {name: _continuation_summary(s) for name, s in stats.items()}
+
+
+def _continuation_summary(s: dict[str, list[torch.Tensor]]) -> dict:
+    """One variant's per-batch [B, C] tensors -> its JSON scores."""
+    nll, agree = torch.cat(s["nll"]), torch.cat(s["agree"]).float()
+    mean_nll = float(nll.mean())
+    return {
+        "nll": mean_nll, "perplexity": math.exp(mean_nll), "agreement": float(agree.mean()),
+        "accuracy": float(torch.cat(s["correct"]).float().mean()),
+        "kl_to_full": float(torch.cat(s["kl"]).mean().clamp_min(0)),
+        "doc_nll": [float(x) for x in nll.mean(1)], "doc_agreement": [float(x) for x in agree.mean(1)],
+    }
 
 
 # --- generation --------------------------------------------------------------------------------
@@ -212,14 +239,23 @@ def matched_prefix(a: list[int], b: list[int]) -> int:
 @torch.no_grad()
 def generation_eval(model, prompts: list[list[int]], variants: dict[str, Variant], max_new_tokens: int = 64,
                     eos_token_id: int | None = None, decode: Callable[[list[int]], str] | None = None) -> dict:
-    """Greedy generations with ``reference.generate``: ``exact_match`` (identical token sequence to
-    full's) and ``matched_prefix`` (mean leading tokens equal to full's) per variant."""
-    out = {name: [] for name in variants}
-    with _bar(len(prompts) * len(variants), "generation") as bar:
+    """Greedy generations with ``reference.generate``, scored by ``compare_generations``."""
+    generate = lambda name, ids: reference.generate(model, torch.tensor([ids]), max_new_tokens, variants[name],
+                                                    eos_token_id)
+    return compare_generations(prompts, list(variants), generate, decode)
+
+
+def compare_generations(prompts: list[list[int]], names: list[str], generate: Callable[[str, list[int]], list[int]],
+                        decode: Callable[[list[int]], str] | None = None) -> dict:
+    """``generate(name, prompt ids) -> new ids`` for every prompt and variant; per variant ``exact_match``
+    (identical token sequence to full's), ``matched_prefix`` (mean leading tokens equal to full's),
+    ``mean_length``, the ``tokens`` (and ``texts`` with ``decode``)."""
+    names = list(dict.fromkeys([BASELINE, *names]))
+    out: dict[str, list[list[int]]] = {name: [] for name in names}
+    with _bar(len(prompts) * len(names), "generation") as bar:
         for ids in prompts:
-            prompt = torch.tensor([ids])
-            for name, variant in variants.items():
-                out[name].append(reference.generate(model, prompt, max_new_tokens, variant, eos_token_id))
+            for name in names:
+                out[name].append(generate(name, ids))
                 bar.update(1)
     results = {}
     for name, gens in out.items():
@@ -274,12 +310,19 @@ def _timed(run: Callable[[], dict]) -> dict:
 
 
 def _generation_task(model, tok, variants, limit, gen_tokens) -> dict:
+    generate = lambda name, ids: reference.generate(model, torch.tensor([ids]), gen_tokens, variants[name],
+                                                    tok.eos_token_id)
+    return generation_task(tok, list(variants), generate, limit, gen_tokens)
+
+
+def generation_task(tok, names: list[str], generate: Callable[[str, list[int]], list[int]], limit: int | None,
+                    gen_tokens: int) -> dict:
+    """The generation task's results: the chat prompts through ``generate(name, ids)`` (``compare_generations``)."""
     texts = eval_data.CHAT_PROMPTS[:limit]
     prompts = [eval_data.chat_prompt_ids(tok, p) for p in texts]
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
-    scores = generation_eval(model, prompts, variants, gen_tokens, tok.eos_token_id, decode)
     return {"prompts": len(prompts), "prompt_texts": list(texts), "chat_template": bool(tok.chat_template),
-            "max_new_tokens": gen_tokens, "variants": scores}
+            "max_new_tokens": gen_tokens, "variants": compare_generations(prompts, names, generate, decode)}
 
 
 def run_eval(model_name: str, out: Path, *, tasks: list[str], variant_names: Iterable[str] | None = None,
