@@ -57,7 +57,8 @@ def _sweep_table(s: dict) -> list[str]:
 
 def report(results: dict) -> str:
     """The terminal summary of a results dict."""
-    parts = [f"{results['model']}: {results['num_layers']} layers, cut {results['cut']} "
+    engine = f" (engine {results['engine']}, onnxruntime {results.get('provider', 'cpu')})" if "engine" in results else ""
+    parts = [f"{results['model']}{engine}: {results['num_layers']} layers, cut {results['cut']} "
              f"(FLOP bound {results['speedup_bound']:.2f}x at {results['prefix_len']} tokens)"]
     parts += _task_tables(results["tasks"], results)
     if "sweep" in results:

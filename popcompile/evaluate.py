@@ -15,6 +15,12 @@ runs model-written code, so only with ``allow_code_exec``; prompt formats and co
 ``humaneval.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` at every cut
 from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
 choice ``choose_cut``).
+
+Given an exported engine folder (it holds ``popcompile.json``) instead of a model, eval scores the engine
+itself with onnxruntime (``eval_engine.py``): ``full`` (the decode graph on the whole prompt) and ``pop``
+(the engine's prefill graph at its exported cut, with its K/V calibration if any) on the same tasks, data,
+metrics and results schema (plus ``engine``, ``provider`` and ``kv_calibration``). The ablations, other
+cuts and ``--sweep`` need the model and are refused for an engine folder.
 """
 from __future__ import annotations
 
@@ -329,12 +335,26 @@ def run_eval(model_name: str, out: Path, *, tasks: list[str], variant_names: Ite
              cut: int | None = None, prune_ratio: float | None = None, limit: int | None = None,
              prefix_len: int = 512, cont_len: int = 48, gen_tokens: int = 64, code_tokens: int = 256,
              batch_size: int | None = None, do_sweep: bool = False, min_agreement: float = 0.95,
-             allow_code_exec: bool = False, timeout: float = 10.0, code_prompt: str = "auto") -> dict:
+             allow_code_exec: bool = False, timeout: float = 10.0, code_prompt: str = "auto",
+             provider: str | None = None, threads: int | None = None) -> dict:
     """Run the tasks (and the sweep), write ``out/results.json`` and the plots; return the results.
 
-    ``code_prompt``: HumanEval prompt format (``humaneval.PROMPT_FORMATS``: auto, chat, raw)."""
+    ``code_prompt``: HumanEval prompt format (``humaneval.PROMPT_FORMATS``: auto, chat, raw). An engine
+    folder as ``model_name`` runs ``eval_engine.run_engine_eval`` (onnxruntime ``provider``, ``threads``)."""
     _check_options(tasks, limit, do_sweep, min_agreement, allow_code_exec,
-                   {"--gen-tokens": gen_tokens, "--code-tokens": code_tokens, "--batch-size": batch_size})
+                   {"--gen-tokens": gen_tokens, "--code-tokens": code_tokens, "--batch-size": batch_size,
+                    "--threads": threads})
+    from .eval_engine import is_engine_folder, run_engine_eval
+
+    if is_engine_folder(model_name):
+        return run_engine_eval(
+            model_name, out, tasks=tasks, variant_names=variant_names, cut=cut, prune_ratio=prune_ratio,
+            do_sweep=do_sweep, limit=limit, prefix_len=prefix_len, cont_len=cont_len, gen_tokens=gen_tokens,
+            code_tokens=code_tokens, batch_size=batch_size, allow_code_exec=allow_code_exec, timeout=timeout,
+            code_prompt=code_prompt, provider=provider, threads=threads)
+    if provider is not None or threads is not None:
+        raise ValueError("--provider and --threads are for an engine folder (onnxruntime); "
+                         f"{model_name} runs through the eager reference")
     from .cost import speedup_bound
     from .models import load_model
     from .passes.pop import resolve_cut

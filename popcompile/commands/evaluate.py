@@ -10,13 +10,17 @@ from .common import add_cut_options, quiet_libraries
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "eval", help="compare POP's quality with the full model and the ablations",
-        description="Score the variants (full, pop, pop-no-boundary, pop-no-kv, shortgpt) on the same real data: teacher-forced "
-                    "continuation of stdlib/HumanEval sources, greedy chat generations, HumanEval pass@1.")
-    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
+        "eval", help="compare POP's quality with the full model and the ablations, or score an engine folder",
+        description="Score the variants (full, pop, pop-kvfit, pop-no-boundary, pop-no-kv, shortgpt) on the same real "
+                    "data: teacher-forced continuation of stdlib/HumanEval sources, greedy chat generations, "
+                    "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine itself "
+                    "with onnxruntime: full (the decode graph on the whole prompt) and pop (its prefill graph at "
+                    "the exported cut); the ablations, --cut and --sweep need the model.")
+    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder, "
+                                 "or an engine folder from `popcompile export`")
     p.add_argument("--tasks", help="comma list of continuation, generation, humaneval (default: continuation,generation; "
                                    "none with --sweep)")
-    p.add_argument("--variants", help="comma list of variants (default: all)")
+    p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder)")
     add_cut_options(p)
     p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
@@ -29,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--allow-code-exec", action="store_true",
                    help="allow the humaneval task to execute model-written code (in a subprocess with a timeout)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test program (default 10)")
+    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"],
+                   help="onnxruntime provider for an engine folder (default cpu)")
+    p.add_argument("--threads", type=int, help="onnxruntime intra-op threads for an engine folder "
+                                               "(default: onnxruntime's, one per core)")
     p.add_argument("--out", required=True, type=Path, help="folder for results.json, quality.png, sweep.png")
     p.add_argument("--json", action="store_true", help="print results.json instead of the tables")
     p.set_defaults(handler=cmd_eval)
@@ -44,7 +52,7 @@ def cmd_eval(args) -> None:
         prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
         gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size,
         do_sweep=args.sweep, min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec,
-        timeout=args.timeout)
+        timeout=args.timeout, provider=args.provider, threads=args.threads)
     print(json.dumps(results, indent=1) if args.json else report(results))
     if not args.json:
         print(f"\nwrote {args.out / 'results.json'}", file=sys.stderr)
