@@ -66,6 +66,31 @@ class GenerationResult:
         return dict(self.__dict__)
 
 
+def encode_prompt(tokenizer: EngineTokenizer, prompt: str, chat: bool | None = None) -> list[int]:
+    """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give some text")
+    use_chat = tokenizer.has_chat_template if chat is None else chat
+    if use_chat and not tokenizer.has_chat_template:
+        raise ValueError("this model's tokenizer has no chat template: run without --chat")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else prompt
+    return tokenizer.encode(text)
+
+
+def prompt_ids(tokenizer: EngineTokenizer, prompts: str | list[str] | list[list[int]], chat: bool | None,
+               max_seq: int) -> list[list[int]]:
+    """One prompt or a batch (text, or token id lists used as they are) -> checked token id lists."""
+    batch = [prompts] if isinstance(prompts, str) else list(prompts)
+    ids = [p if isinstance(p, list) else encode_prompt(tokenizer, p, chat) for p in batch]
+    for prompt in ids:
+        if not prompt:
+            raise ValueError("a prompt has no tokens: give some text")
+        if len(prompt) >= max_seq:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
+                             f"{max_seq}: shorten it or re-export with a larger --max-seq")
+    return ids
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Token lists -> ids [B, N] and mask [B, N] (int64), padded on the left."""
     width = max(len(p) for p in prompts)

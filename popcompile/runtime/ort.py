@@ -19,7 +19,7 @@ from ..exporters.manifest import EngineError, EngineManifest
 from ..kv import KVLayout
 from .generate import SamplingConfig
 from .kvbuffer import KVBuffer
-from .loop import Generation, GenerationResult, HostBackend, StepOutputs
+from .loop import Generation, GenerationResult, HostBackend, StepOutputs, encode_prompt, prompt_ids
 from .tokenizer import EngineTokenizer
 
 PROVIDERS = {
@@ -159,13 +159,7 @@ class PopSession:
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
-        if not prompt:
-            raise ValueError("the prompt is empty: give some text")
-        use_chat = self.tokenizer.has_chat_template if chat is None else chat
-        if use_chat and not self.tokenizer.has_chat_template:
-            raise ValueError("this model's tokenizer has no chat template: run without --chat")
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else prompt
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate(
         self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
@@ -173,13 +167,6 @@ class PopSession:
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, or token id lists used as they are)."""
         sampling = sampling or SamplingConfig()
-        batch = [prompts] if isinstance(prompts, str) else list(prompts)
-        ids = [p if isinstance(p, list) else self.encode(p, chat) for p in batch]
-        for prompt in ids:
-            if not prompt:
-                raise ValueError("a prompt has no tokens: give some text")
-            if len(prompt) >= self.layout.max_seq:
-                raise ValueError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
-                                 f"{self.layout.max_seq}: shorten it or re-export with a larger --max-seq")
+        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq)
         generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text)
         return generation.run(ids)

@@ -39,7 +39,7 @@ import numpy as np
 from ..exporters.manifest import EngineError, EngineManifest
 from ..exporters.tensorrt import PLANS, TrtSection
 from .generate import SamplingConfig
-from .loop import Generation, GenerationResult
+from .loop import Generation, GenerationResult, encode_prompt, prompt_ids
 from .tokenizer import EngineTokenizer
 
 KV_BINDINGS = ("auto", "static", "gather")
@@ -282,13 +282,7 @@ class TrtSession:
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
-        if not prompt:
-            raise ValueError("the prompt is empty: give some text")
-        use_chat = self.tokenizer.has_chat_template if chat is None else chat
-        if use_chat and not self.tokenizer.has_chat_template:
-            raise ValueError("this model's tokenizer has no chat template: run without --chat")
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else prompt
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate(
         self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
@@ -296,17 +290,10 @@ class TrtSession:
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, or token id lists used as they are)."""
         sampling = sampling or SamplingConfig()
-        batch = [prompts] if isinstance(prompts, str) else list(prompts)
-        ids = [p if isinstance(p, list) else self.encode(p, chat) for p in batch]
+        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq)
         if len(ids) > self.max_batch:
             raise ValueError(f"{len(ids)} prompts exceed the engines' max batch {self.max_batch}: "
                              f"rebuild with `popcompile build-trt {self.folder} --max-batch {len(ids)} --force`")
-        for prompt in ids:
-            if not prompt:
-                raise ValueError("a prompt has no tokens: give some text")
-            if len(prompt) >= self.layout.max_seq:
-                raise ValueError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
-                                 f"{self.layout.max_seq}: shorten it or re-export with a larger --max-seq")
         return Generation(self._run, self.kv, self.tokenizer, sampling, mode, on_text).run(ids)
 
 
