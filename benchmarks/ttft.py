@@ -15,6 +15,7 @@ graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to s
     python benchmarks/ttft.py --models smollm2-135m gemma3-270m --tokens 512 1024 2048 --reps 5
     python benchmarks/ttft.py --models smollm2-135m --tokens 1024 --no-io-binding     # plain run(), for comparison
     python benchmarks/ttft.py --dtype float16 --provider cuda                          # float16 needs a GPU provider
+    python benchmarks/ttft.py --kv-calibration auto                                    # also POP+ beside POP
     python benchmarks/ttft.py --models smollm2-135m --step-cost 512 1024 2048 --reps 9 # docs/kv.md's table
 """
 from __future__ import annotations
@@ -40,10 +41,11 @@ CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
 MAX_SEQ = 4096
 
 
-def engine(model: str, dtype: str = "float32") -> Path:
-    folder = CACHE / (f"{model}-maxseq{MAX_SEQ}" + ("" if dtype == "float32" else f"-{dtype}"))
+def engine(model: str, dtype: str = "float32", kv_calibration: str = "none") -> Path:
+    suffix = ("" if dtype == "float32" else f"-{dtype}") + ("" if kv_calibration == "none" else "-kvfit")
+    folder = CACHE / f"{model}-maxseq{MAX_SEQ}{suffix}"
     if not folder.exists():
-        export(model, folder, max_seq=MAX_SEQ, dtype=dtype)
+        export(model, folder, max_seq=MAX_SEQ, dtype=dtype, kv_calibration=kv_calibration)
     return folder
 
 
@@ -58,22 +60,32 @@ def time_mode(session: PopSession, ids: list[int], mode: str, new_tokens: int = 
     return result.ttft_s, result.decode_tokens_per_s
 
 
-def measure(session: PopSession, ids: list[int], reps: int) -> dict:
-    ttft = {"pop": [], "full": []}
-    for mode in ("pop", "full"):  # warm-up: first runs allocate arenas
-        time_mode(session, ids, mode)
+def measure(session: PopSession, ids: list[int], reps: int, calibrated: PopSession | None = None) -> dict:
+    """Interleaved medians of TTFT (and decode tok/s) of full and POP, and POP+ when ``calibrated`` is given
+    (the same graphs with refitted deep-layer K/V weights: its TTFT must not differ from POP's)."""
+    modes = {"pop": (session, "pop"), "full": (session, "full")}
+    if calibrated is not None:
+        modes["popplus"] = (calibrated, "pop")
+    order = list(modes)
+    ttft: dict[str, list[float]] = {name: [] for name in modes}
+    for which, mode in modes.values():  # warm-up: first runs allocate arenas
+        time_mode(which, ids, mode)
     for rep in range(reps):
-        for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
-            ttft[mode].append(time_mode(session, ids, mode)[0])
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            which, mode = modes[name]
+            ttft[name].append(time_mode(which, ids, mode)[0])
     decode: dict[str, list[float]] = {"pop": [], "full": []}
     for rep in range(max(2, reps // 2)):  # interleaved too: the same graph runs in both modes
         for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
             decode[mode].append(time_mode(session, ids, mode, 33)[1])
     pairs = [f / p for f, p in zip(ttft["full"], ttft["pop"])]
-    return {"full_ttft_s": statistics.median(ttft["full"]), "pop_ttft_s": statistics.median(ttft["pop"]),
-            "pair_ratio": statistics.median(pairs), "full_decode_tok_s": statistics.median(decode["full"]),
-            "pop_decode_tok_s": statistics.median(decode["pop"]),
-            "decode_pair_ratio": statistics.median(p / f for p, f in zip(decode["pop"], decode["full"]))}
+    row = {f"{name}_ttft_s": statistics.median(values) for name, values in ttft.items()}
+    row.update({"pair_ratio": statistics.median(pairs), "full_decode_tok_s": statistics.median(decode["full"]),
+                "pop_decode_tok_s": statistics.median(decode["pop"]),
+                "decode_pair_ratio": statistics.median(p / f for p, f in zip(decode["pop"], decode["full"]))})
+    if calibrated is not None:
+        row["popplus_over_pop"] = statistics.median(c / p for c, p in zip(ttft["popplus"], ttft["pop"]))
+    return row
 
 
 def split(session: PopSession, ids: list[int], reps: int) -> dict:
@@ -152,6 +164,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-cost", nargs="+", type=int, metavar="ROWS",
                         help="instead: per decode step after ROWS cached rows, the cost of the past's copies "
                              "against the step (docs/kv.md)")
+    parser.add_argument("--kv-calibration", choices=["none", "auto"], default="none",
+                        help="auto: also time POP+ (a second engine with refitted K/V weights), interleaved with POP")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser.parse_args()
 
@@ -169,15 +183,21 @@ def main() -> None:
     for model in args.models:
         folder = engine(model, args.dtype)
         session = PopSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
+        calibrated = None if args.kv_calibration == "none" else PopSession(
+            engine(model, args.dtype, args.kv_calibration), provider=args.provider, threads=args.threads,
+            io_binding=args.io_binding)
         config = json.loads((folder / "config.json").read_text())
         text_ids = session.tokenizer.encode(real_text())
         for n in args.tokens:
             row = {"model": model, "tokens": n, "cut": session.manifest.cut,
-                   **measure(session, text_ids[:n], args.reps)}
+                   **measure(session, text_ids[:n], args.reps, calibrated)}
             row["ratio"] = row["full_ttft_s"] / row["pop_ttft_s"]
             row["bound"] = speedup_bound(config, n, session.manifest.cut)
             rows.append(row)
             print(_row_line(row), flush=True)
+            if calibrated is not None:
+                print(f"{'':14} POP+ (refitted K/V) TTFT {row['popplus_ttft_s']:.3f} s, paired POP+/POP "
+                      f"{row['popplus_over_pop']:.3f}", flush=True)
             if args.split:
                 row.update(split(session, text_ids[:n], args.reps))
                 print(_split_line(row), flush=True)
