@@ -139,7 +139,7 @@ def export_folder(args) -> dict:
     folder = WORK / args.model_dir
     if not (folder / "popcompile.json").is_file():
         model = tiny_loaded() if args.quick else "smollm2-135m"
-        export(model, folder, max_seq=args.max_seq, force=True)
+        export(model, folder, max_seq=args.max_seq, force=True, kv_calibration="none")  # runtimes, not quality
     return {"folder": str(folder)}
 
 

@@ -28,6 +28,15 @@ def test_cut_auto_takes_analyze_recommendation_and_records_it(tiny_folder, tmp_p
     choice = manifest.extra["cut_choice"]
     assert choice["method"] == "analyze" and choice["cut"] == manifest.cut
     assert 1 <= manifest.cut <= 6
+    if manifest.cut < 6:  # POP+ is the default: fitted for the chosen cut, and recorded
+        assert manifest.extra["kv_calibration"]["cut"] == manifest.cut
+
+
+def test_kv_calibration_none_is_the_papers_pop(tiny_folder, tmp_path):
+    out = tmp_path / "engine"
+    assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "3", "--max-seq", "64",
+                 "--kv-calibration", "none"]) == 0
+    assert EngineManifest.read(out).extra["kv_calibration"] is None
 
 
 @pytest.mark.parametrize("args, message", [

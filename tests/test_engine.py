@@ -45,14 +45,14 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def smol_engine(tmp_path_factory) -> Path:
     """Exported once through the CLI (itself the end-to-end test of `popcompile export`)."""
     out = tmp_path_factory.mktemp("engines") / "smollm2"
-    cli("export", "smollm2-135m", "--out", str(out), "--max-seq", str(MAX_SEQ))
+    cli("export", "smollm2-135m", "--out", str(out), "--max-seq", str(MAX_SEQ), "--kv-calibration", "none")
     return out
 
 
 @pytest.fixture(scope="module")
 def gemma_engine(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("engines") / "gemma3"
-    export("gemma3-270m", out, max_seq=MAX_SEQ)
+    export("gemma3-270m", out, max_seq=MAX_SEQ, kv_calibration="none")
     return out
 
 
@@ -186,7 +186,8 @@ def tiny_one_kv_head_engine(tmp_path_factory) -> Path:
     model, tokenizer = tiny_model("llama", kv_heads=1), tiny_tokenizer()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     out = tmp_path_factory.mktemp("tiny") / "llama-1kv"
-    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, cut=3, max_seq=64)
+    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, cut=3, max_seq=64,
+           kv_calibration="none")
     return out
 
 

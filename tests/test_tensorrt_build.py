@@ -42,7 +42,7 @@ def _engine(model_type: str, out: Path, **model_kwargs) -> Path:
     model = tiny_model(model_type, layers=2, **model_kwargs)
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48)
+    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48, kv_calibration="none")
     return out
 
 

@@ -33,5 +33,6 @@ def tiny_engine(model_type: str, out_dir: str | Path, **export_kwargs) -> Path:
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     source = ModelSource(name="tiny", kind="folder", path="tiny", sha256=None)
+    export_kwargs.setdefault("kv_calibration", "none")  # the paper's POP, what the tests compare against
     export(LoadedModel(model, tokenizer, source), out_dir, **export_kwargs)
     return Path(out_dir)

@@ -25,9 +25,10 @@ def register(sub) -> None:
                    help="with --cut auto (no --min-agreement): share of prefill importance the pruned layers may hold "
                         "(default: analyze's)")
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
-    p.add_argument("--kv-calibration", default="none", metavar="{none,auto,FILE}",
-                   help="POP+: refit the pruned layers' K/V projections: none (default, the paper's POP), "
-                        "auto (fit now on the built-in corpus), or a file from `popcompile calibrate`")
+    p.add_argument("--kv-calibration", default="auto", metavar="{auto,none,FILE}",
+                   help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit now on "
+                        "the built-in corpus, 2-5 min on CPU; better quality at no inference cost, docs/results.md), "
+                        "none (the paper's POP), or a file from `popcompile calibrate`")
     p.add_argument("--target", choices=["onnx", "tensorrt"], default="onnx",
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")

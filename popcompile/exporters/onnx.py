@@ -44,7 +44,7 @@ DTYPES = ("float32", "float16")
 def export(
     model: str | LoadedModel, out_dir: str | Path, *, cut: int | None = None,
     prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
-    kv_calibration: str | Path | None = None, progress: Callable[[str], None] | None = None,
+    kv_calibration: str | Path | None = "auto", progress: Callable[[str], None] | None = None,
     cut_choice: dict | None = None,
     dtype: str = "float32",
 ) -> EngineManifest:
@@ -181,7 +181,8 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
 
 
 def kv_fit(loaded: LoadedModel, cut: int, kv_calibration: str | Path | None) -> KVFit | None:
-    """None/"none": plain POP; "auto": fit on the default corpus now; else a file from `popcompile calibrate`."""
+    """None/"none": plain POP (the paper's); "auto" (export's default, docs/results.md says why): fit POP+
+    on the built-in corpus now; else a file from `popcompile calibrate`."""
     layers = loaded.model.config.num_hidden_layers
     if kv_calibration in (None, "none") or cut == layers:
         return None
