@@ -6,6 +6,7 @@ from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile.cli import main
+from popcompile.calibrate import load_fit
 from popcompile.exporters.manifest import EngineManifest
 
 
@@ -54,3 +55,26 @@ def test_cut_must_be_a_number_or_auto(tiny_folder, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", str(tiny_folder), "--out", str(tmp_path / "e"), "--cut", "deep"])
     assert exit_info.value.code == 2 and "'auto'" in capsys.readouterr().err
+
+
+def test_calibrate_on_the_users_jsonl_then_export_with_it(tiny_folder, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    words = " ".join(f"t{i % 90}" for i in range(200))
+    corpus.write_text("\n".join(f'{{"body": "{words}"}}' for _ in range(4)))
+    fit = tmp_path / "kv.safetensors"
+    assert main(["calibrate", str(tiny_folder), "--out", str(fit), "--cut", "3", "--seq-len", "32",
+                 "--jsonl", str(corpus), "--jsonl-field", "body"]) == 0
+    # each line gives 6 whole windows of 32 tokens (the rest is dropped): 24 windows -> 768 tokens
+    assert load_fit(fit).info.tokens == 768 and load_fit(fit).info.cut == 3
+    out = tmp_path / "engine"
+    assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "3", "--max-seq", "64",
+                 "--kv-calibration", str(fit)]) == 0
+    assert EngineManifest.read(out).extra["kv_calibration"]["tokens"] == 768
+
+
+def test_calibrate_names_a_bad_jsonl_before_loading_the_model(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 3}\n')
+    assert main(["calibrate", "not-a-model", "--out", str(tmp_path / "kv.safetensors"), "--jsonl", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"--jsonl {bad}: JSONL line 1" in err and "not-a-model" not in err

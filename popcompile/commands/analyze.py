@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import CliError, quiet_libraries, read_text
+from .common import CliError, add_corpus_options, quiet_libraries, user_sources
 
 CONFIG_OPTIONS = ("samples", "context_len", "gen_len", "batch_size", "budget")
 
@@ -25,12 +25,7 @@ def register(sub) -> None:
     p.add_argument("--context-len", type=int, help="prompt tokens per sequence; POP prefills all but the "
                                                    "last (default 512)")
     p.add_argument("--gen-len", type=int, help="tokens predicted after the prompt: the decode stage (default 32)")
-    p.add_argument("--text", type=Path, action="append", default=[],
-                   help="score on this text file instead of the built-in corpus (repeatable)")
-    p.add_argument("--jsonl", type=Path, action="append", default=[],
-                   help="score on this JSON-lines file: one string, or object with --jsonl-field, per line "
-                        "(repeatable)")
-    p.add_argument("--jsonl-field", default="text", help="field holding the text in --jsonl objects (default text)")
+    add_corpus_options(p, "score")
     p.add_argument("--budget", type=float, help="share of the total prefill importance the recommended cut may "
                                                 "prune (default 0.01)")
     p.add_argument("--batch-size", type=int, help="sequences per forward-backward; memory grows with it (default 2)")
@@ -45,21 +40,6 @@ def config_from_args(args):
 
     given = {name: getattr(args, name) for name in CONFIG_OPTIONS if getattr(args, name) is not None}
     return AnalyzeConfig(**given)
-
-
-def user_sources(args) -> dict[str, list[str]] | None:
-    """{file: texts} of --text and --jsonl, in the order given; None for the built-in corpus."""
-    from ..analyze import jsonl_texts
-
-    sources: dict[str, list[str]] = {}
-    for path in args.text:
-        sources[str(path)] = [read_text(path, "--text")]
-    for path in args.jsonl:
-        try:
-            sources[str(path)] = jsonl_texts(read_text(path, "--jsonl"), args.jsonl_field)
-        except ValueError as err:
-            raise CliError(f"--jsonl {path}: {err}") from None
-    return sources or None
 
 
 def cmd_analyze(args) -> None:

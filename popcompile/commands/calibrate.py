@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import CliError, add_cut_options, quiet_libraries, read_text
+from .common import CliError, add_corpus_options, add_cut_options, quiet_libraries, user_sources
 
 
 def register(sub) -> None:
@@ -14,8 +14,7 @@ def register(sub) -> None:
     p.add_argument("model", help="shipped name, a .gguf file or a HF folder")
     p.add_argument("--out", required=True, type=Path, help="output .safetensors file (a .json is written beside it)")
     add_cut_options(p)
-    p.add_argument("--text", type=Path, action="append", default=[],
-                   help="calibrate on this text file instead of the built-in corpus (repeatable)")
+    add_corpus_options(p, "calibrate")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
     p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
     p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
@@ -33,11 +32,12 @@ def cmd_calibrate(args) -> None:
 
     if args.out.exists() and not args.force:
         raise CliError(f"{args.out} exists: choose another --out or pass --force")
+    sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()
     loaded = load_model(args.model)
     cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
-    if args.text:
-        docs = [loaded.tokenizer(read_text(path, "--text")).input_ids for path in args.text]
+    if sources:
+        docs = [loaded.tokenizer(text).input_ids for texts in sources.values() for text in texts]
         batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
     else:
         batches = default_batches(loaded.tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)

@@ -49,3 +49,28 @@ def read_text(path: Path, what: str) -> str:
         return Path(path).read_text()
     except OSError as err:
         raise CliError(f"cannot read {what} {path}: {err.strerror}") from None
+
+
+def add_corpus_options(p, verb: str) -> None:
+    """--text / --jsonl / --jsonl-field: the user's own text instead of the built-in corpus."""
+    p.add_argument("--text", type=Path, action="append", default=[],
+                   help=f"{verb} on this text file instead of the built-in corpus (repeatable)")
+    p.add_argument("--jsonl", type=Path, action="append", default=[],
+                   help=f"{verb} on this JSON-lines file: one string, or object with --jsonl-field, per line "
+                        "(repeatable)")
+    p.add_argument("--jsonl-field", default="text", help="field holding the text in --jsonl objects (default text)")
+
+
+def user_sources(args) -> dict[str, list[str]] | None:
+    """{file: texts} of --text and --jsonl, in the order given; None for the built-in corpus."""
+    from ..analyze import jsonl_texts
+
+    sources: dict[str, list[str]] = {}
+    for path in args.text:
+        sources[str(path)] = [read_text(path, "--text")]
+    for path in args.jsonl:
+        try:
+            sources[str(path)] = jsonl_texts(read_text(path, "--jsonl"), args.jsonl_field)
+        except ValueError as err:
+            raise CliError(f"--jsonl {path}: {err}") from None
+    return sources or None
