@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from popcompile.cli import build_parser
+from popcompile.cli import build_parser, main
 from popcompile.commands.evaluate import cmd_eval
 from popcompile import eval_data, evaluate, humaneval, reference, sweep
 from popcompile.reference import Variant
@@ -265,6 +265,16 @@ def test_cli_options_parse(tmp_path):
         evaluate.parse_tasks("continuation,bogus", False)
     with pytest.raises(SystemExit):  # --cut and --prune-ratio exclude each other
         parser.parse_args(["eval", "m", "--cut", "3", "--prune-ratio", "0.3", "--out", str(tmp_path)])
+
+
+def test_cli_passes_the_humaneval_prompt_format(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(evaluate, "run_eval", lambda model, out, **kwargs: seen.update(kwargs) or {})
+    monkeypatch.setattr(evaluate, "report", lambda results: "")
+    assert main(["eval", "m", "--tasks", "humaneval", "--code-prompt", "raw", "--out", str(tmp_path)]) == 0
+    assert seen["code_prompt"] == "raw" and seen["tasks"] == ["humaneval"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "m", "--code-prompt", "markdown", "--out", str(tmp_path)])
 
 
 # --- HumanEval prompt formats and code extraction (real HumanEval problems, replies written like a chat model's) ---

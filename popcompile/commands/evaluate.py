@@ -27,6 +27,9 @@ def register(sub) -> None:
     p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
     p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per chat prompt (default 64)")
     p.add_argument("--code-tokens", type=int, default=256, help="max tokens per HumanEval completion (default 256)")
+    p.add_argument("--code-prompt", choices=["auto", "chat", "raw"], default="auto",
+                   help="HumanEval prompt: chat (the problem as a request under the chat template, code block "
+                        "extracted), raw (the bare prompt to continue), auto (chat when the tokenizer has a template)")
     p.add_argument("--batch-size", type=int, help="documents per forward (default: by vocabulary size)")
     p.add_argument("--sweep", action="store_true", help="continuation task for pop at every cut L..ceil(L/2)")
     p.add_argument("--min-agreement", type=float, default=0.95, help="agreement for the sweep's auto cut (0.95)")
@@ -52,7 +55,7 @@ def cmd_eval(args) -> None:
         prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
         gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size,
         do_sweep=args.sweep, min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec,
-        timeout=args.timeout, provider=args.provider, threads=args.threads)
+        timeout=args.timeout, code_prompt=args.code_prompt, provider=args.provider, threads=args.threads)
     print(json.dumps(results, indent=1) if args.json else report(results))
     if not args.json:
         print(f"\nwrote {args.out / 'results.json'}", file=sys.stderr)
