@@ -90,13 +90,15 @@ class EngineRun:
 
     def start(self, prompt: np.ndarray, mode: str) -> np.ndarray:
         """Prefill ``prompt`` ids [B, N] from an empty cache as ``mode`` does; the logits [B, V] that
-        predict token N+1. pop: prefill graph on x_1..x_{N-1}, then decode graph on x_N; full: decode
-        graph on x_1..x_N."""
+        predict token N+1. pop: prefill graph on x_1..x_N when the engine's boundary is folded (it returns
+        x_N's logits), else on x_1..x_{N-1} and the decode graph on x_N; full: decode graph on x_1..x_N."""
         if mode not in ENGINE_VARIANTS.values():
             raise ValueError(f"mode must be one of {', '.join(ENGINE_VARIANTS.values())}, got {mode!r}")
         if self.buffer is None or self.buffer.batch < prompt.shape[0]:
             self.buffer = KVBuffer(self.session.layout, prompt.shape[0])
         self.buffer.reset()
+        if mode == "pop" and self.session.manifest.boundary == "folded" and prompt.shape[1] > 1:
+            return self._run("prefill", prompt)
         split = prompt.shape[1] - 1 if mode == "pop" else 0
         if split > 0:
             self._run("prefill", prompt[:, :split])

@@ -77,14 +77,22 @@ def test_decode_logits_and_prefill_kv_match_torch(which, request):
     feeds = {"input_ids": ids, "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64),
              **dict(zip(manifest.kv_layout.past_names, past))}
     logits = session.sessions["decode"].run(None, feeds)[0]
+    prompt = torch.from_numpy(ids)
     with torch.no_grad():
-        expected = loaded.model(torch.from_numpy(ids)).logits[:, -1].numpy()
-        pop_cache = reference.prefill_cache(loaded.model, torch.from_numpy(ids), manifest.cut)
+        expected = loaded.model(prompt).logits[:, -1].numpy()
+        pop_cache = reference.prefill_cache(loaded.model, prompt[:, :-1], manifest.cut)  # x_1..x_{N-1}, pruned
+        run = reference.PopRun(loaded.model, reference.Variant(cut=manifest.cut), n)
+        first = run.prefill(prompt).numpy()  # x_N's logits after the boundary step
     assert np.abs(logits - expected).max() <= ONNX_ATOL
-    kv = session.sessions["prefill"].run(None, feeds)
-    for i, layer in enumerate(pop_cache.layers):
-        np.testing.assert_allclose(kv[2 * i], layer.keys.numpy(), rtol=KV_RTOL, atol=KV_ATOL, err_msg=f"K {i}")
-        np.testing.assert_allclose(kv[2 * i + 1], layer.values.numpy(), rtol=KV_RTOL, atol=KV_ATOL, err_msg=f"V {i}")
+    assert manifest.boundary == "folded"  # one prefill call: x_N's logits, then every row's K/V
+    pop_logits, *kv = session.sessions["prefill"].run(None, feeds)
+    assert np.abs(pop_logits - first).max() <= ONNX_ATOL
+    for i, (layer, true) in enumerate(zip(pop_cache.layers, run.cache.layers)):
+        for name, got, want, last in (("K", kv[2 * i], layer.keys, true.keys), ("V", kv[2 * i + 1], layer.values,
+                                                                                 true.values)):
+            np.testing.assert_allclose(got[:, :, :-1], want.numpy(), rtol=KV_RTOL, atol=KV_ATOL, err_msg=f"{name} {i}")
+            np.testing.assert_allclose(got[:, :, -1:], last[:, :, -1:].numpy(), rtol=KV_RTOL, atol=KV_ATOL,
+                                       err_msg=f"{name} {i}, x_N's row")
 
 
 def test_cli_run_equals_eager_pop_reference(smol_engine, smol):
@@ -191,7 +199,35 @@ def tiny_one_kv_head_engine(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("engine", ["tiny_llama_engine", "tiny_one_kv_head_engine"])
+@pytest.fixture(scope="module")
+def tiny_separate_engine(tmp_path_factory) -> Path:
+    """The boundary step as its own decode-graph call (boundary="separate")."""
+    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama-sep", cut=3, max_seq=64, boundary="separate")
+
+
+def test_folded_and_separate_boundaries_generate_the_same(tiny_llama_engine, tiny_separate_engine):
+    prompts = [[5, 9, 12, 40, 41, 7, 3, 88, 19], [61, 3, 70], [44]]
+    sampling = SamplingConfig(max_new_tokens=6)
+    folded, separate = PopSession(tiny_llama_engine), PopSession(tiny_separate_engine)
+    assert (folded.manifest.boundary, separate.manifest.boundary) == ("folded", "separate")
+    assert [s.name for s in folded.sessions["prefill"].get_outputs()][0] == "logits"
+    assert "logits" not in [s.name for s in separate.sessions["prefill"].get_outputs()]
+    for batch in (prompts[:2], prompts[:1], prompts[2:]):
+        assert ([r.token_ids for r in folded.generate(batch, sampling)] ==
+                [r.token_ids for r in separate.generate(batch, sampling)])
+
+
+def test_format_version_1_engines_still_run_as_separate(tiny_separate_engine, tmp_path):
+    engine = _copy(tiny_separate_engine, tmp_path)
+    data = json.loads((engine / MANIFEST).read_text())
+    del data["boundary"]
+    (engine / MANIFEST).write_text(json.dumps({**data, "format_version": 1}))
+    session = PopSession(engine)
+    assert session.manifest.boundary == "separate"
+    assert len(session.generate([[5, 9, 12, 40]], SamplingConfig(max_new_tokens=3))[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("engine", ["tiny_llama_engine", "tiny_one_kv_head_engine", "tiny_separate_engine"])
 @pytest.mark.parametrize("mode", ["pop", "full"])
 def test_io_binding_generates_what_plain_run_generates(engine, mode, request):
     folder = request.getfixturevalue(engine)

@@ -39,15 +39,18 @@ def _feeds(layout, ids: np.ndarray, past: list[np.ndarray], start: int) -> dict[
 
 
 def _run_graphs(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Prefill graph on the prompt but its last token, then the decode graph on that token over the
-    prefill's rows. The CPU provider computes float16 graphs correctly (through casts), only not fast."""
-    layout = EngineManifest.read(folder).kv_layout
+    """The prefill graph on the prompt (folded boundary: all of it, logits first in its outputs), then
+    the decode graph on one more token over its rows. The CPU provider computes float16 graphs correctly
+    (through casts), only not fast."""
+    manifest = EngineManifest.read(folder)
+    layout = manifest.kv_layout
     dtype = np.float16 if layout.dtype == "float16" else np.float32
     sessions = {name: ort.InferenceSession(str(folder / f"{name}.onnx"), providers=["CPUExecutionProvider"])
                 for name in ("prefill", "decode")}
     empty = [np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), dtype) for _ in layout.past_names]
-    prefill = sessions["prefill"].run(None, _feeds(layout, PROMPT[:, :-1], empty, 0))
-    decode = sessions["decode"].run(None, _feeds(layout, PROMPT[:, -1:], prefill, PROMPT.shape[1] - 1))
+    assert manifest.boundary == "folded"  # the default; tests/test_engine.py runs "separate" engines too
+    prefill = sessions["prefill"].run(None, _feeds(layout, PROMPT, empty, 0))
+    decode = sessions["decode"].run(None, _feeds(layout, PROMPT[:, :1], prefill[1:], PROMPT.shape[1]))
     return prefill, decode
 
 
@@ -66,6 +69,7 @@ def test_float16_graphs_match_float32(engines):
     pre16, dec16 = _run_graphs(engines["float16"])
     pre32, dec32 = _run_graphs(engines["float32"])
     assert all(a.dtype == np.float16 for a in [*pre16, *dec16])
+    assert pre16[0].argmax() == pre32[0].argmax()
     for index, (a, b) in enumerate(zip(pre16 + dec16, pre32 + dec32)):
         np.testing.assert_allclose(a.astype(np.float32), b, rtol=FP16_RTOL, atol=FP16_ATOL, err_msg=f"output {index}")
     assert dec16[0].argmax() == dec32[0].argmax()

@@ -1,4 +1,5 @@
-"""The POP pass on tiny exported graphs: node counts by module path, numerics against reference.py."""
+"""The POP pass (boundary "separate") on tiny exported graphs: node counts by module path, numerics against
+reference.py. The folded boundary (passes/boundary.py on exported graphs) is tests/test_fold_export.py."""
 from __future__ import annotations
 
 from collections import Counter
@@ -29,7 +30,7 @@ def test_every_registered_architecture_has_a_tiny_model():
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_pair(request):
     model = tiny_model(request.param)
-    return model, build_graphs(model, cut=2)
+    return model, build_graphs(model, cut=2, boundary="separate")
 
 
 def _parts_by_layer(program) -> Counter:
@@ -102,13 +103,14 @@ def test_decode_graph_is_never_mutated():
 
     captured = capture(model)
     before = [(n.op, str(n.target)) for n in captured.program.graph.nodes]
-    prefill_graph(captured, 2)
+    prefill_graph(captured, 2, boundary="separate")
+    prefill_graph(captured, 2, boundary="folded")
     assert [(n.op, str(n.target)) for n in captured.program.graph.nodes] == before
 
 
 def test_cut_equal_to_layers_keeps_every_layer():
     model = tiny_model("qwen3")
-    pair = build_graphs(model, cut=4)
+    pair = build_graphs(model, cut=4, boundary="separate")
     counts = _parts_by_layer(pair.prefill)
     assert counts[2, "o_proj"] == 1 and counts[2, "down_proj"] == 1
     # Without logits nothing reads the last layer's output: only its K/V path is left, even at cut = L.
@@ -120,7 +122,7 @@ def test_cut_equal_to_layers_keeps_every_layer():
 
 def test_find_layers_reads_the_norm_input_not_the_residual_cast():
     model = tiny_model("llama")
-    gm = build_graphs(model, cut=4).decode.module()
+    gm = build_graphs(model, cut=4, boundary="separate").decode.module()
     layers = find_layers(gm.graph)
     assert len(layers) == 4
     # layer l+1 reads the residual add that closes layer l (tagged as layer l itself)
@@ -158,8 +160,10 @@ def test_kv_weights_replace_only_the_deep_projections():
     torch.manual_seed(1)
     new_k = Projection(torch.randn_like(layers[3].self_attn.k_proj.weight), torch.randn(32))
     new_v = Projection(torch.randn_like(layers[3].self_attn.v_proj.weight), None)
-    plain, unchanged = build_graphs(model, cut=2), build_graphs(model, cut=2, kv_weights=same)
-    refit = build_graphs(model, cut=2, kv_weights={3: {"k_proj": new_k, "v_proj": new_v}})
+    plain = build_graphs(model, cut=2, boundary="separate")
+    unchanged = build_graphs(model, cut=2, kv_weights=same, boundary="separate")
+    refit = build_graphs(model, cut=2, kv_weights={3: {"k_proj": new_k, "v_proj": new_v}},
+                         boundary="separate")
     assert _parts_by_layer(refit.prefill) == _parts_by_layer(plain.prefill)
     prompt = torch.randint(0, 97, (1, 8))
     base, same_out, new = (run_graph(p.prefill.module(), prompt, empty_past(p.layout)) for p in (plain, unchanged, refit))
@@ -172,7 +176,7 @@ def test_kv_weights_replace_only_the_deep_projections():
     torch.testing.assert_close(new[7], v, atol=ATOL, rtol=0)
     assert not torch.allclose(new[6], base[6])
     with pytest.raises(ValueError, match="only pruned layers"):
-        build_graphs(model, cut=2, kv_weights={1: {"k_proj": new_k}})
+        build_graphs(model, cut=2, kv_weights={1: {"k_proj": new_k}}, boundary="separate")
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -182,7 +186,7 @@ def test_prefill_kv_equivalence_over_shapes(arch, kv_heads, groups, head_dim, la
     """Property: for any geometry and cut, the prefill graph's K/V equal the reference's."""
     cut = data.draw(st.integers(1, layers), label="cut")
     model = tiny_model(arch, layers=layers, heads=kv_heads * groups, kv_heads=kv_heads, head_dim=head_dim)
-    pair = build_graphs(model, cut=cut, max_seq=64)
+    pair = build_graphs(model, cut=cut, max_seq=64, boundary="separate")
     prompt = torch.randint(0, 97, (1, 9))
     kv = run_graph(pair.prefill.module(), prompt, empty_past(pair.layout))
     cache = reference.prefill_cache(model, prompt, cut)

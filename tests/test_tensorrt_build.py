@@ -38,11 +38,12 @@ HAS_GPU_STACK = shutil.which("nvidia-smi") is not None and importlib.util.find_s
 LOGITS_ATOL = 1e-5  # same ONNX graphs on the same CPU; only masked (zero-weight) rows differ in number
 
 
-def _engine(model_type: str, out: Path, **model_kwargs) -> Path:
+def _engine(model_type: str, out: Path, boundary: str = "folded", **model_kwargs) -> Path:
     model = tiny_model(model_type, layers=2, **model_kwargs)
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48, kv_calibration="none")
+    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48,
+           kv_calibration="none", boundary=boundary)
     return out
 
 
@@ -50,6 +51,12 @@ def _engine(model_type: str, out: Path, **model_kwargs) -> Path:
 def llama_engine(tmp_path_factory) -> Path:
     """One KV head, so batch 1 binds in place (B * H == 1) and batch 2 does not."""
     return _engine("llama", tmp_path_factory.mktemp("trt") / "llama", kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def llama_separate_engine(tmp_path_factory) -> Path:
+    """x_N as its own step after a prefill of x_1..x_{N-1}: the prefill engine has no logits output."""
+    return _engine("llama", tmp_path_factory.mktemp("trt") / "llama-sep", boundary="separate", kv_heads=1)
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +315,7 @@ PROMPTS = [[5, 9, 11, 3, 7, 40, 41, 60, 8], [12, 13, 70, 71]]  # left padding: t
     ("llama_engine", 2, "gather", False, "full"),   # rows gathered; --full runs the prompt profile
     ("gemma_engine", 2, "auto", False, "pop"),      # sliding windows: gather
     ("gemma_engine", 1, "auto", False, "full"),
+    ("llama_separate_engine", 2, "static", True, "pop"),  # boundary step on the step profile
 ])
 def test_emulated_trt_session_matches_onnxruntime(engine, batch, binding, graph, mode, request, sampled_logits):
     folder = request.getfixturevalue(engine)
@@ -329,7 +337,9 @@ def test_emulated_trt_session_matches_onnxruntime(engine, batch, binding, graph,
     assert trt_session.device.allocs == allocs
     if graph:  # one capture per batch size; every decode step ran once, captured or replayed
         assert set(trt_session.graphs) == {batch}
-        assert trt_session.contexts["step"].runs == 2 * len(got)
+        # with the boundary folded into the prefill engine, the first token's logits come from it
+        first_from_prefill = mode == "pop" and trt_session.manifest.boundary == "folded"
+        assert trt_session.contexts["step"].runs == 2 * (len(got) - first_from_prefill)
 
 
 def test_emulated_session_refuses_more_prompts_than_max_batch(llama_engine):

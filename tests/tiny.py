@@ -51,13 +51,18 @@ def run_graph(module, ids, past, start=0):
 
 
 def greedy_with_graphs(pair, prompt, max_new_tokens):
-    """POP generation with the two graphs: prefill x_1..x_{N-1}, then x_N and decode with the decode graph."""
+    """POP generation with the two graphs. Folded boundary: the prefill graph on x_1..x_N gives the first
+    token's logits; separate: prefill x_1..x_{N-1}, then x_N with the decode graph. Then decode steps."""
     prefill, decode = pair.prefill.module(), pair.decode.module()
     n = prompt.shape[1]
-    present = run_graph(prefill, prompt[:, : n - 1], empty_past(pair.layout))
-    past = list(present)
-    ids, start, tokens = prompt[:, n - 1:], n - 1, []
-    for _ in range(max_new_tokens):
+    if pair.boundary == "folded":
+        logits, *past = run_graph(prefill, prompt, empty_past(pair.layout))
+        tokens = [int(logits[0].argmax())]
+        ids, start = torch.tensor([[tokens[-1]]]), n
+    else:
+        past = list(run_graph(prefill, prompt[:, : n - 1], empty_past(pair.layout)))
+        ids, start, tokens = prompt[:, n - 1:], n - 1, []
+    while len(tokens) < max_new_tokens:
         logits, *new = run_graph(decode, ids, past, start)
         past = [torch.cat([p, q], dim=2) for p, q in zip(past, new)]
         start += ids.shape[1]

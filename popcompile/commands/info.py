@@ -22,6 +22,7 @@ def summary(folder: Path, manifest) -> str:
     size = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
     layout = manifest.kv_layout
     return (f"{folder}: {manifest.model['name']} ({manifest.model['model_type']}), {manifest.num_layers} layers, "
-            f"cut {manifest.cut} (layers {manifest.cut}..{manifest.num_layers - 1} pruned in prefill)\n"
+            f"cut {manifest.cut} (layers {manifest.cut}..{manifest.num_layers - 1} pruned in prefill), "
+            f"boundary {manifest.boundary}\n"
             f"KV layout: {layout.num_layers} x [batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)")

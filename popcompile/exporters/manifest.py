@@ -12,7 +12,13 @@ from ..kv import KVLayout
 
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: versions this popcompile reads: 1 (before ``boundary``: always "separate") and 2
+READABLE_VERSIONS = (1, 2)
+#: how POP's boundary token x_N reaches the full model (docs/kv.md):
+#:   folded    the prefill graph takes x_1..x_N, runs x_N alone through the deep layers and returns its logits
+#:   separate  the prefill graph takes x_1..x_{N-1}; the decode graph runs x_N over their rows
+BOUNDARIES = ("folded", "separate")
 GRAPH_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 
@@ -48,8 +54,11 @@ class EngineManifest:
     # compute capability and optimization profiles. Empty for a folder without TensorRT engines; older
     # manifests have no such key and read as empty.
     tensorrt: dict = field(default_factory=dict)
+    boundary: str = "separate"  # version 1 manifests have no key: their prefill graphs are "separate"
 
     def __post_init__(self) -> None:
+        if self.boundary not in BOUNDARIES:
+            raise EngineError(f"manifest boundary={self.boundary!r} is not one of {BOUNDARIES}: re-export the engine")
         if not 1 <= self.cut <= self.num_layers:
             raise EngineError(f"manifest cut={self.cut} is out of range 1..{self.num_layers}")
         if set(self.graphs) != {"prefill", "decode"}:
@@ -81,7 +90,7 @@ class EngineManifest:
     def from_dict(cls, data: dict, folder: str | Path = "?") -> "EngineManifest":
         if data.get("format") != FORMAT:
             raise EngineError(f"{folder}: not a popcompile engine (format {data.get('format')!r})")
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_VERSIONS:
             raise EngineError(
                 f"{folder}: engine format version {data.get('format_version')} is not supported by this "
                 f"popcompile (version {FORMAT_VERSION}): re-export the model with this version")
@@ -98,6 +107,10 @@ class EngineManifest:
     def expected_inputs(self) -> tuple[str, ...]:
         return (*GRAPH_INPUTS, *self.kv_layout.past_names)
 
+    def has_logits(self, graph: str) -> bool:
+        """The decode graph returns logits; the prefill graph too when the boundary is folded into it."""
+        return graph == "decode" or self.boundary == "folded"
+
     def expected_outputs(self, graph: str) -> tuple[str, ...]:
         present = tuple(self.kv_layout.present_names)
-        return ("logits", *present) if graph == "decode" else present
+        return ("logits", *present) if self.has_logits(graph) else present

@@ -46,7 +46,7 @@ def export(
     prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
     kv_calibration: str | Path | None = "auto", progress: Callable[[str], None] | None = None,
     cut_choice: dict | None = None,
-    dtype: str = "float32",
+    dtype: str = "float32", boundary: str = "folded",
 ) -> EngineManifest:
     """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``.
 
@@ -55,7 +55,9 @@ def export(
     models' norms and RoPE tables still compute in float32 internally, as in PyTorch. POP+ weights are
     fitted in float32 first, then cast. ``cut_choice``: how an automatic cut was chosen (method and
     measured figures), recorded in the manifest's ``extra``. onnxruntime's CPU provider refuses float16 engines
-    (docs/benchmarks.md says why): run them with ``provider="cuda"``.
+    (docs/benchmarks.md says why): run them with ``provider="cuda"``. ``boundary``: "folded" (default: the
+    prefill graph takes x_1..x_N and returns x_N's logits, one call to the first token) or "separate"
+    (x_1..x_{N-1}; the decode graph runs x_N), recorded in the manifest (docs/kv.md).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
@@ -70,12 +72,12 @@ def export(
     fit = kv_fit(loaded, cut, kv_calibration)
     network = cast_model(loaded.model, dtype, in_place=owned)
     kv_weights = fit and cast_weights(fit.weights, dtype)
-    pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights)
+    pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights, boundary=boundary)
     with _staging(out_dir, force) as tmp:
         step("export decode graph")
         decode = to_onnx(pair.decode, pair, with_logits=True)
         step("export prefill graph")
-        prefill = to_onnx(pair.prefill, pair, with_logits=False)
+        prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
         step("write engine folder")
         weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
         for name in ("decode.onnx", "prefill.onnx"):
@@ -213,6 +215,7 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
         weights={"file": WEIGHTS, "bytes": weights_bytes}, dtype=pair.layout.dtype,
         versions=_versions(), extra={"kv_calibration": asdict(fit.info) if fit else None, "cut_choice": cut_choice},
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        boundary=pair.boundary,
     )
 
 

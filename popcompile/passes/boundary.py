@@ -91,13 +91,18 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
 
 def _sequence(hidden: fx.Node) -> tuple[object, int]:
     """The symbolic sequence length of the first layer's input hidden state [B, N, d], and its dim."""
-    value = hidden.meta.get("example_value", hidden.meta.get("val"))
+    value = _value(hidden)
     if value is None or value.dim() != 3:
         raise UnsupportedGraph(f"the first layer's input {hidden.name} has no [B, N, d] shape recorded")
     seq = value.shape[1]
     if not isinstance(seq, torch.SymInt):
         raise UnsupportedGraph(f"the sequence length is static ({seq}): compile with dynamic=True")
     return seq, 1
+
+
+def _value(node: fx.Node):
+    """The example value recorded on a node: dynamo's ``example_value``, torch.export's ``val``."""
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def _same(a, b) -> bool:
@@ -119,8 +124,10 @@ def _kv_input(graph: fx.Graph, before: fx.Node, h_cut: fx.Node, last: fx.Node, s
 
 
 def _split_projection(gm: fx.GraphModule, layer, name: str, projection: Projection, seq_dim: int) -> None:
-    """POP+: ``linear(x, W)`` -> ``cat(linear(x[:, :N-1], W'), linear(x[:, N-1:], W))``: the refit
-    weights serve the pruned positions, x_N (its true hidden state) keeps the model's own."""
+    """POP+: ``linear(x, W)`` -> ``slice_scatter(linear(x, W'), linear(x[:, N-1:], W), start=-1)``: the
+    refit weights serve the pruned positions, x_N (its true hidden state) keeps the model's own. W'
+    runs on all N rows (one row more than needed) and x_N's row is written over: slicing to N-1 rows
+    and concatenating makes torch.export guard on sizes (N-1 != 1, B != 1) and refuse dynamic N."""
     found = [n for n in layer.nodes if n.target in LINEAR and module_path(n).endswith(f"self_attn.{name}")]
     if len(found) != 1:
         raise UnsupportedGraph(f"layer {layer.index}: expected one linear node in self_attn.{name}, found {len(found)}")
@@ -128,15 +135,16 @@ def _split_projection(gm: fx.GraphModule, layer, name: str, projection: Projecti
     graph, (x, *original) = gm.graph, node.args
     prefix = f"pop_kv_{layer.index}_{name}"
     with graph.inserting_before(node):
-        head = graph.call_function(operator.getitem, (x, (slice(None),) * seq_dim + (slice(None, -1),)))
-        tail = graph.call_function(operator.getitem, (x, (slice(None),) * seq_dim + (slice(-1, None),)))
-        dtype = original[0].meta["example_value"].dtype
+        view = graph.call_function(operator.getitem, (x, (slice(None),) * seq_dim + (slice(-1, None),)))
+        # a strided view into linear makes export guard B != 1 and N != 1 (contiguity checks): copy it
+        tail = graph.call_function(torch.clone, (view,), {"memory_format": torch.contiguous_format})
+        dtype = _value(original[0]).dtype
         refit = [weight_constant(gm, node, f"{prefix}_weight", projection.weight.to(dtype))]
         if projection.bias is not None:
             refit.append(weight_constant(gm, node, f"{prefix}_bias", projection.bias.to(dtype)))
-        pruned = graph.call_function(node.target, (head, *refit))
+        every = graph.call_function(node.target, (x, *refit))
         own = graph.call_function(node.target, (tail, *original), dict(node.kwargs))
-        joined = graph.call_function(torch.cat, ([pruned, own],), {"dim": seq_dim})
+        joined = graph.call_function(torch.slice_scatter, (every, own), {"dim": seq_dim, "start": -1})
     joined.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     node.replace_all_uses_with(joined)
     graph.erase_node(node)
@@ -171,7 +179,7 @@ class _LastPosition:
     def _input(self, arg: fx.Node) -> fx.Node | int:
         if arg in self.last:
             return self.last[arg]
-        value = arg.meta.get("example_value")
+        value = _value(arg)
         if isinstance(value, torch.SymInt):
             if _same(value, self.seq):
                 return 1  # a shape argument: the copy has one position
@@ -194,7 +202,7 @@ class _LastPosition:
         kwargs = dict(node.kwargs)
         mask = rest[0] if rest else kwargs.pop("attn_mask", None)
         if isinstance(mask, fx.Node):
-            mask = _slice(self.graph, mask, mask.meta["example_value"].dim() - 2, -1, None)
+            mask = _slice(self.graph, mask, _value(mask).dim() - 2, -1, None)
         kwargs.update(attn_mask=mask, is_causal=False)  # one query at position N sees every key
         if len(rest) > 1:
             raise UnsupportedGraph(f"{node.name}: SDPA with positional dropout/causal arguments")

@@ -90,7 +90,7 @@ def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) 
             raise ValueError(f"kv_weights for layer {index}: only pruned layers {cut}..{len(layers) - 1} take them")
         for name, projection in projections.items():
             _replace_projection(gm, layers[index], name, projection)
-    _erase_metadata_asserts(gm.graph)
+    erase_metadata_asserts(gm.graph)
     eliminate_dead_code(gm.graph)
     # Flat positional inputs and a flat tuple of outputs: the prefill graph's own interface.
     gm.graph._codegen = fx.graph.CodeGen()
@@ -160,7 +160,7 @@ LINEAR = (torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functiona
 _ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
 
 
-def _erase_metadata_asserts(graph: fx.Graph) -> None:
+def erase_metadata_asserts(graph: fx.Graph) -> None:
     """``_assert_tensor_metadata`` nodes are impure: left in, they keep dead layers alive past DCE."""
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:

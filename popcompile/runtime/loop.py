@@ -6,8 +6,9 @@ arrays, ``run(graph, feeds) -> outputs`` with the past rows among the feeds, is 
 ``HostBackend``; one that binds memory itself (onnxruntime's IO binding, TensorRT's in-place KV
 update) implements ``Backend.run`` and decides how the past reaches its graph::
 
-    pop:   prefill graph on x_1..x_{N-1}  ->  decode graph on x_N (boundary)  ->  decode graph per token
-    full:  decode graph on x_1..x_N                                          ->  decode graph per token
+    pop, folded:    prefill graph on x_1..x_N (x_N's logits out)              ->  decode graph per token
+    pop, separate:  prefill graph on x_1..x_{N-1}  ->  decode graph on x_N    ->  decode graph per token
+    full:           decode graph on x_1..x_N                                  ->  decode graph per token
 
 Prompts of different lengths are left-padded, so x_N of every row sits in the last column.
 """
@@ -34,7 +35,7 @@ class Backend(Protocol):
         """Run ``graph`` on ``feeds`` (input_ids and position_ids [B, T], attention_mask [B, past+T]) with
         rows 0..buffer.length-1 of the first B sequences as the past.
 
-        Returns (logits [B, V] for "decode", else None; the new rows, 2L arrays [B, H_kv, T, D] in the
+        Returns (logits [B, V] of the last position for a graph that has them, else None; the new rows, 2L arrays [B, H_kv, T, D] in the
         order k0, v0, k1, ...). The loop passes the rows to ``buffer.write`` before the next call, so
         they may be views into ``buffer.present(B, T)``; the backend never writes the cache itself."""
 
@@ -44,11 +45,12 @@ class HostBackend:
     """A backend that takes plain arrays: the past rows come from ``buffer.past()`` as feeds."""
 
     run_graph: RunGraph
+    logits_graphs: frozenset[str] = frozenset({"decode"})  # graphs whose first output is logits
 
     def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
         past = buffer.past(feeds["input_ids"].shape[0])
         outputs = self.run_graph(graph, {**feeds, **dict(zip(buffer.layout.past_names, past))})
-        return (outputs[0], list(outputs[1:])) if graph == "decode" else (None, list(outputs))
+        return (outputs[0], list(outputs[1:])) if graph in self.logits_graphs else (None, list(outputs))
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,13 @@ class Generation:
     """One batch of prompts through the two graphs; ``run()`` returns one result per prompt."""
 
     def __init__(self, backend: Backend | RunGraph, buffer: KVBuffer, tokenizer: EngineTokenizer,
-                 sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None):
+                 sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None,
+                 folded: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.backend = backend if isinstance(backend, Backend) else HostBackend(backend)
+        self.folded = folded  # the prefill graph takes x_1..x_N and returns x_N's logits (manifest boundary)
+        self.backend = backend if isinstance(backend, Backend) else HostBackend(
+            backend, frozenset({"decode", "prefill"}) if folded else frozenset({"decode"}))
         self.buffer, self.tokenizer = buffer, tokenizer
         self.sampling, self.mode, self.on_text = sampling, mode, on_text
         self.sampler = Sampler(sampling)
@@ -125,6 +130,8 @@ class Generation:
 
     def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        if self.mode == "pop" and self.folded and ids.shape[1] > 1:
+            return self._step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
         split = ids.shape[1] - 1 if self.mode == "pop" else 0
         if split > 0:
             self._step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])

@@ -83,6 +83,7 @@ class BoundBackend:
 
     def __init__(self, sessions: dict[str, ort.InferenceSession], layout: KVLayout):
         self.sessions, self.layout = sessions, layout
+        self.logits_graphs = {name for name, s in sessions.items() if s.get_outputs()[0].name == "logits"}
         logits = sessions["decode"].get_outputs()[0]
         self.logits_dtype = _NUMPY_TYPES[logits.type]
         self.vocab = logits.shape[1] if isinstance(logits.shape[1], int) else None
@@ -97,14 +98,14 @@ class BoundBackend:
         present = buffer.present(batch, steps)
         for name, array in zip(self.layout.present_names, present):
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-        logits = None
-        if graph == "decode" and self.vocab is not None:
+        logits, with_logits = None, graph in self.logits_graphs
+        if with_logits and self.vocab is not None:
             logits = np.empty((batch, self.vocab), dtype=self.logits_dtype)
             binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        elif graph == "decode":
+        elif with_logits:
             binding.bind_output("logits", "cpu")
         session.run_with_iobinding(binding)
-        if graph == "decode" and logits is None:
+        if with_logits and logits is None:
             logits = binding.get_outputs()[0].numpy()
         return logits, present
 
@@ -132,7 +133,8 @@ class PopSession:
             for name, entry in self.manifest.graphs.items()
         }
         self._check_signatures()
-        self.backend = BoundBackend(self.sessions, self.layout) if io_binding else HostBackend(self._run)
+        self.backend = BoundBackend(self.sessions, self.layout) if io_binding else HostBackend(
+            self._run, frozenset(g for g in self.sessions if self.manifest.has_logits(g)))
         self.tokenizer = EngineTokenizer.from_folder(self.folder)
         self.buffer: KVBuffer | None = None
         self.allocations = 0
@@ -168,5 +170,6 @@ class PopSession:
         """Generate for one prompt or a batch (text, or token id lists used as they are)."""
         sampling = sampling or SamplingConfig()
         ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq)
-        generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text)
+        generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text,
+                                folded=self.manifest.boundary == "folded")
         return generation.run(ids)

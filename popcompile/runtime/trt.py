@@ -212,7 +212,7 @@ class TrtSession:
             self._launch_graph(context, batch)
         elif not context.execute_async_v3(self.device.stream):
             raise EngineError(f"TensorRT failed to run the {kind} step (see its log above)")
-        if graph != "decode":
+        if not self.manifest.has_logits(graph):
             return present
         return [self._download_logits(batch), *present]
 
@@ -234,7 +234,7 @@ class TrtSession:
             ptr = kv.address(index, kv.sentinel + kv.length) if in_place else scratch
             _check(context.set_tensor_address(present_name, ptr), present_name, "address")
             present.append(Rows(index, ptr, in_place))
-        if kind != "prefill":
+        if kind != "prefill" or self.manifest.boundary == "folded":
             _check(context.set_tensor_address("logits", self.logits), "logits", "address")
         return present
 
@@ -294,7 +294,8 @@ class TrtSession:
         if len(ids) > self.max_batch:
             raise ValueError(f"{len(ids)} prompts exceed the engines' max batch {self.max_batch}: "
                              f"rebuild with `popcompile build-trt {self.folder} --max-batch {len(ids)} --force`")
-        return Generation(self._run, self.kv, self.tokenizer, sampling, mode, on_text).run(ids)
+        return Generation(self._run, self.kv, self.tokenizer, sampling, mode, on_text,
+                          folded=self.manifest.boundary == "folded").run(ids)
 
 
 def resolve_binding(kv_binding: str, section: TrtSection, cuda_graph: bool) -> str:

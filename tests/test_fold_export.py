@@ -1,0 +1,92 @@
+"""The folded boundary on exported graphs (passes/boundary.py via pipeline.build_graphs, the default):
+one prefill graph on x_1..x_N that runs x_N alone through the deep layers. Checked against the
+separate pair (POP pass prefill on x_1..x_{N-1} + decode graph on x_N, tests/test_pass.py) and reference.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from popcompile import reference
+from popcompile.arch import ARCHITECTURES
+from popcompile.passes.layers import layer_part
+from popcompile.passes.pop import Projection
+from popcompile.pipeline import build_graphs
+from tiny import empty_past, greedy_with_graphs, run_graph, tiny_model
+
+ARCHS = sorted(ARCHITECTURES)
+ATOL = 1e-5  # same kernels on the same rows; reassociation in the one-row matmuls only
+CUT = 2
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pairs(request):
+    model = tiny_model(request.param)
+    return model, build_graphs(model, cut=CUT), build_graphs(model, cut=CUT, boundary="separate")
+
+
+def _seq_len_of_linears(program) -> dict[tuple[int, str], object]:
+    """(layer, projection) -> the sequence dim of its output: symbolic N, or 1 for a last-position copy."""
+    found = {}
+    for node in program.graph.nodes:
+        part = layer_part(node) if node.op == "call_function" and "linear" in str(node.target) else None
+        if part:
+            found[part[0], part[1].split(".")[-1]] = node.meta["val"].shape[1]
+    return found
+
+
+def test_deep_layers_run_the_last_position_only_except_kv(pairs):
+    _, folded, _ = pairs
+    assert folded.boundary == "folded"
+    lengths = _seq_len_of_linears(folded.prefill)
+    for (layer, name), length in lengths.items():
+        whole = layer < CUT or name in ("k_proj", "v_proj")
+        assert isinstance(length, torch.SymInt) == whole and (whole or length == 1), f"layer {layer} {name}: {length}"
+    assert {name for (layer, name) in lengths if layer == CUT} >= {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_folded_prefill_equals_prefill_then_boundary_step(pairs):
+    _, folded, separate = pairs
+    prompt = torch.randint(0, 97, (2, 13))  # longer than the tiny sliding windows (4, 5)
+    logits, *kv = run_graph(folded.prefill.module(), prompt, empty_past(folded.layout, 2))
+    head = run_graph(separate.prefill.module(), prompt[:, :-1], empty_past(separate.layout, 2))
+    step_logits, *step_kv = run_graph(separate.decode.module(), prompt[:, -1:], list(head), start=12)
+    torch.testing.assert_close(logits, step_logits, atol=ATOL, rtol=0)
+    for whole, rows, last in zip(kv, head, step_kv):
+        torch.testing.assert_close(whole, torch.cat([rows, last], dim=2), atol=ATOL, rtol=0)
+
+
+def test_greedy_with_folded_graphs_equals_reference(pairs):
+    model, folded, _ = pairs
+    prompt = torch.randint(0, 97, (1, 10))
+    assert greedy_with_graphs(folded, prompt, 6) == reference.generate(model, prompt, 6, reference.Variant(cut=CUT))
+
+
+def test_cut_equal_to_layers_is_the_full_model():
+    model = tiny_model("llama")
+    pair = build_graphs(model, cut=4)
+    prompt = torch.randint(0, 97, (1, 9))
+    full = model.generate(prompt, max_new_tokens=5, do_sample=False)[0, 9:].tolist()
+    assert greedy_with_graphs(pair, prompt, 5) == full
+
+
+def test_kv_weights_serve_the_pruned_rows_and_x_n_keeps_the_models_own():
+    """POP+ folded: rows 1..N-1 of layer 3 from the refit weights, row N from the model's (its true input)."""
+    model = tiny_model("qwen2")
+    torch.manual_seed(1)
+    layer = model.get_decoder().layers[3].self_attn
+    weights = {3: {"k_proj": Projection(torch.randn_like(layer.k_proj.weight), torch.randn(32)),
+                   "v_proj": Projection(torch.randn_like(layer.v_proj.weight), None)}}
+    folded = build_graphs(model, cut=CUT, kv_weights=weights)
+    separate = build_graphs(model, cut=CUT, kv_weights=weights, boundary="separate")
+    prompt = torch.randint(0, 97, (1, 9))
+    logits, *kv = run_graph(folded.prefill.module(), prompt, empty_past(folded.layout))
+    head = run_graph(separate.prefill.module(), prompt[:, :-1], empty_past(separate.layout))
+    step_logits, *step_kv = run_graph(separate.decode.module(), prompt[:, -1:], list(head), start=8)
+    torch.testing.assert_close(logits, step_logits, atol=ATOL, rtol=0)
+    for whole, rows, last in zip(kv, head, step_kv):
+        torch.testing.assert_close(whole, torch.cat([rows, last], dim=2), atol=ATOL, rtol=0)
+
+
+def test_unknown_boundary_is_a_clear_error():
+    with pytest.raises(ValueError, match="boundary='late' is not one of"):
+        build_graphs(tiny_model("llama"), cut=CUT, boundary="late")
