@@ -3,8 +3,9 @@
 For each model an engine folder is exported once (cached in ~/.cache/popcompile/bench-engines) and one
 PopSession runs both modes on the same prompt token ids (real text: standard-library sources):
 
-    pop:  prefill.onnx on x_1..x_{N-1}, decode.onnx on x_N     (TTFT = until the first token is sampled)
-    full: decode.onnx on x_1..x_N
+    pop:  prefill.onnx on x_1..x_N, x_N's logits out       (boundary folded, the default engine)
+          prefill.onnx on x_1..x_{N-1}, decode.onnx on x_N  (--boundary separate)
+    full: decode.onnx on x_1..x_N                           (TTFT = until the first token is sampled)
 
 Repetitions are interleaved (pop, full, full, pop, ...) and the table shows medians, their ratio and the
 FLOP bound of the same cut (popcompile.cost). Decode tokens/s is measured over 32 greedy tokens per mode,
@@ -16,6 +17,7 @@ graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to s
     python benchmarks/ttft.py --models smollm2-135m --tokens 1024 --no-io-binding     # plain run(), for comparison
     python benchmarks/ttft.py --dtype float16 --provider cuda                          # float16 needs a GPU provider
     python benchmarks/ttft.py --kv-calibration auto                                    # also POP+ beside POP
+    python benchmarks/ttft.py --compare-separate                                       # folded vs separate x_N
     python benchmarks/ttft.py --models smollm2-135m --step-cost 512 1024 2048 --reps 9 # docs/kv.md's table
 """
 from __future__ import annotations
@@ -41,11 +43,11 @@ CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
 MAX_SEQ = 4096
 
 
-def engine(model: str, dtype: str = "float32", kv_calibration: str = "none") -> Path:
+def engine(model: str, dtype: str = "float32", kv_calibration: str = "none", boundary: str = "folded") -> Path:
     suffix = ("" if dtype == "float32" else f"-{dtype}") + ("" if kv_calibration == "none" else "-kvfit")
-    folder = CACHE / f"{model}-maxseq{MAX_SEQ}{suffix}"
+    folder = CACHE / f"{model}-maxseq{MAX_SEQ}-{boundary}{suffix}"
     if not folder.exists():
-        export(model, folder, max_seq=MAX_SEQ, dtype=dtype, kv_calibration=kv_calibration)
+        export(model, folder, max_seq=MAX_SEQ, dtype=dtype, kv_calibration=kv_calibration, boundary=boundary)
     return folder
 
 
@@ -60,12 +62,12 @@ def time_mode(session: PopSession, ids: list[int], mode: str, new_tokens: int = 
     return result.ttft_s, result.decode_tokens_per_s
 
 
-def measure(session: PopSession, ids: list[int], reps: int, calibrated: PopSession | None = None) -> dict:
-    """Interleaved medians of TTFT (and decode tok/s) of full and POP, and POP+ when ``calibrated`` is given
-    (the same graphs with refitted deep-layer K/V weights: its TTFT must not differ from POP's)."""
+def measure(session: PopSession, ids: list[int], reps: int, others: dict[str, PopSession] | None = None) -> dict:
+    """Interleaved medians of TTFT (and decode tok/s) of full and POP, and of POP in each of ``others``
+    (another engine of the same model: "popplus", refitted K/V weights; "separate", the boundary step
+    as its own call), with the median of its paired TTFT ratio to POP's as ``{name}_over_pop``."""
     modes = {"pop": (session, "pop"), "full": (session, "full")}
-    if calibrated is not None:
-        modes["popplus"] = (calibrated, "pop")
+    modes.update({name: (other, "pop") for name, other in (others or {}).items()})
     order = list(modes)
     ttft: dict[str, list[float]] = {name: [] for name in modes}
     for which, mode in modes.values():  # warm-up: first runs allocate arenas
@@ -83,8 +85,8 @@ def measure(session: PopSession, ids: list[int], reps: int, calibrated: PopSessi
     row.update({"pair_ratio": statistics.median(pairs), "full_decode_tok_s": statistics.median(decode["full"]),
                 "pop_decode_tok_s": statistics.median(decode["pop"]),
                 "decode_pair_ratio": statistics.median(p / f for p, f in zip(decode["pop"], decode["full"]))})
-    if calibrated is not None:
-        row["popplus_over_pop"] = statistics.median(c / p for c, p in zip(ttft["popplus"], ttft["pop"]))
+    for name in others or {}:
+        row[f"{name}_over_pop"] = statistics.median(c / p for c, p in zip(ttft[name], ttft["pop"]))
     return row
 
 
@@ -106,10 +108,15 @@ def split(session: PopSession, ids: list[int], reps: int) -> dict:
         return time.perf_counter() - began, outputs
 
     times: dict[str, list[float]] = {"full": [], "prefill": [], "boundary": []}
+    folded = session.manifest.boundary == "folded"
     for rep in range(reps + 1):
         for mode in (("full", "pop") if rep % 2 == 0 else ("pop", "full")):
             if mode == "full":
                 times["full"].append(run("decode", 0, slice(None))[0])
+                continue
+            if folded:  # one graph on x_1..x_N: no boundary step
+                times["prefill"].append(run("prefill", 0, slice(None))[0])
+                times["boundary"].append(0.0)
                 continue
             seconds, present = run("prefill", 0, slice(0, n - 1))
             times["prefill"].append(seconds)
@@ -164,8 +171,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-cost", nargs="+", type=int, metavar="ROWS",
                         help="instead: per decode step after ROWS cached rows, the cost of the past's copies "
                              "against the step (docs/kv.md)")
+    parser.add_argument("--boundary", choices=["folded", "separate"], default="folded",
+                        help="engine layout: x_N folded into the prefill graph (default) or a separate decode call")
     parser.add_argument("--kv-calibration", choices=["none", "auto"], default="none",
                         help="auto: also time POP+ (a second engine with refitted K/V weights), interleaved with POP")
+    parser.add_argument("--compare-separate", action="store_true",
+                        help="also time POP on a separate-boundary engine, interleaved (what folding x_N saves)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser.parse_args()
 
@@ -181,23 +192,31 @@ def main() -> None:
     print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'paired':>6} {'bound':>6} {'of bound':>8} "
           f"{'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
     for model in args.models:
-        folder = engine(model, args.dtype)
+        folder = engine(model, args.dtype, boundary=args.boundary)
         session = PopSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
-        calibrated = None if args.kv_calibration == "none" else PopSession(
-            engine(model, args.dtype, args.kv_calibration), provider=args.provider, threads=args.threads,
-            io_binding=args.io_binding)
+        def other(kv_calibration: str, boundary: str) -> PopSession:
+            return PopSession(engine(model, args.dtype, kv_calibration, boundary), provider=args.provider,
+                              threads=args.threads, io_binding=args.io_binding)
+
+        others = {}
+        if args.kv_calibration != "none":
+            others["popplus"] = other(args.kv_calibration, args.boundary)
+        if args.compare_separate:
+            others["separate"] = other("none", "separate")
         config = json.loads((folder / "config.json").read_text())
         text_ids = session.tokenizer.encode(real_text())
         for n in args.tokens:
             row = {"model": model, "tokens": n, "cut": session.manifest.cut,
-                   **measure(session, text_ids[:n], args.reps, calibrated)}
+                   **measure(session, text_ids[:n], args.reps, others)}
             row["ratio"] = row["full_ttft_s"] / row["pop_ttft_s"]
             row["bound"] = speedup_bound(config, n, session.manifest.cut)
             rows.append(row)
             print(_row_line(row), flush=True)
-            if calibrated is not None:
-                print(f"{'':14} POP+ (refitted K/V) TTFT {row['popplus_ttft_s']:.3f} s, paired POP+/POP "
-                      f"{row['popplus_over_pop']:.3f}", flush=True)
+            for name, label in (("popplus", "POP+ (refitted K/V)"), ("separate", "POP, separate boundary step")):
+                if name in others:
+                    print(f"{'':14} {label}: TTFT {row[f'{name}_ttft_s']:.3f} s, paired {name}/POP "
+                          f"{row[f'{name}_over_pop']:.3f}, full/{name} {row['full_ttft_s'] / row[f'{name}_ttft_s']:.3f}",
+                          flush=True)
             if args.split:
                 row.update(split(session, text_ids[:n], args.reps))
                 print(_split_line(row), flush=True)
@@ -207,7 +226,8 @@ def main() -> None:
 
 def print_step_costs(args) -> None:
     for model in args.models:
-        session = PopSession(engine(model, args.dtype), provider=args.provider, threads=args.threads)
+        session = PopSession(engine(model, args.dtype, boundary=args.boundary), provider=args.provider,
+                             threads=args.threads)
         for rows in args.step_cost:
             cost = step_costs(session, rows, args.reps)
             step = cost["decode step"]
