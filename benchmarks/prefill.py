@@ -1,8 +1,9 @@
 """Prefill time to first token, full model vs POP, side by side in one run (PyTorch, CPU).
 
     full = decode graph on x_1..x_N with an empty past           -> logits [1, V] (last position only)
-    POP  = prefill graph on x_1..x_{N-1} with an empty past      -> present K/V, N-1 rows per layer
-         + decode graph on x_N with those N-1 rows (boundary)    -> logits [1, V]
+    POP  = prefill graph on x_1..x_N (boundary folded, default)  -> logits [1, V] and N rows per layer
+      or = prefill graph on x_1..x_{N-1}, then the decode graph  -> logits [1, V]   (--boundary separate)
+           on x_N with those N-1 rows
 
 Repetitions are interleaved (full, POP, then POP, full, ...) so that drifting machine load hits both
 alike; the table shows medians, their ratio, the median of the per-pair ratios, and the FLOP bound
@@ -107,8 +108,13 @@ def full_prefill(decode: Callable, ids: torch.Tensor, past: list[torch.Tensor]) 
     return decode(ids, pos, mask, *past)[0]
 
 
-def pop_prefill(prefill: Callable, decode: Callable, ids: torch.Tensor, past: list[torch.Tensor]) -> torch.Tensor:
-    """Prefill graph on ids[:, :N-1], then decode graph on ids[:, N-1:] over those rows; logits [B, V]."""
+def pop_prefill(prefill: Callable, decode: Callable, ids: torch.Tensor, past: list[torch.Tensor],
+                folded: bool = True) -> torch.Tensor:
+    """Folded: the prefill graph on all of ids [B, N]. Separate: the prefill graph on ids[:, :N-1], then
+    the decode graph on ids[:, N-1:] over those rows. Returns logits [B, V]."""
+    if folded:
+        pos, mask = _inputs(ids, 0)
+        return prefill(ids, pos, mask, *past)[0]
     n = ids.shape[1]
     pos, mask = _inputs(ids[:, : n - 1], 0)
     present = prefill(ids[:, : n - 1], pos, mask, *past)
@@ -130,7 +136,7 @@ def measure(
     ids = torch.randint(0, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
     past = empty_past(pair, 1)
     run_full = lambda: full_prefill(decode, ids, past)  # noqa: E731
-    run_pop = lambda: pop_prefill(prefill, decode, ids, past)  # noqa: E731
+    run_pop = lambda: pop_prefill(prefill, decode, ids, past, pair.boundary == "folded")  # noqa: E731
     full_s: list[float] = []
     pop_s: list[float] = []
     with torch.inference_mode():
@@ -143,10 +149,10 @@ def measure(
     return full_s, pop_s
 
 
-def run_model(name: str, tokens: Sequence[int], reps: int, warmup: int) -> list[Result]:
+def run_model(name: str, tokens: Sequence[int], reps: int, warmup: int, boundary: str = "folded") -> list[Result]:
     cut, _ = MODELS[name]
     model = load_benchmark_model(name)
-    pair = build_graphs(model, cut=cut, max_seq=max(max(tokens), 2))
+    pair = build_graphs(model, cut=cut, max_seq=max(max(tokens), 2), boundary=boundary)
     results = []
     for n in tokens:
         full_s, pop_s = measure(pair, model.config.vocab_size, n, reps, warmup)
@@ -179,6 +185,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              + "; ".join(f"{m}: {','.join(map(str, t))}" for m, (_, t) in MODELS.items()) + ")")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each variant (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each variant first (default 1)")
+    parser.add_argument("--boundary", choices=["folded", "separate"], default="folded",
+                        help="POP's prefill graph: x_N folded in (default) or a separate decode-graph step")
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON to OUT")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -201,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"reps {args.reps}, warm-up {args.warmup}", flush=True)
     results: list[Result] = []
     for name in args.models:
-        results += run_model(name, args.tokens or MODELS[name][1], args.reps, args.warmup)
+        results += run_model(name, args.tokens or MODELS[name][1], args.reps, args.warmup, args.boundary)
     print(format_table(results))
     if args.json:
         meta = {"torch": torch.__version__, "transformers": transformers.__version__,
