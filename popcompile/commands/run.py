@@ -33,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
     build_trt.add_runtime_options(p)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="time the very first call, with the runtime's one-time start-up in it (default: one short "
+                        "untimed generation first, so TTFT is what every later call of a server would see)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
     p.set_defaults(handler=cmd_run)
 
@@ -53,9 +56,13 @@ def cmd_run(args) -> None:
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file, "--prompt-file")
     sampling = _sampling(args)
     session = build_trt.open_session(args)
+    mode = "full" if args.full else "pop"
+    if args.warmup:  # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once
+        from ..runtime.generate import SamplingConfig
+
+        session.generate([session.encode(prompt, args.chat)[:8]], SamplingConfig(max_new_tokens=2), mode=mode)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
-    result = session.generate(prompt, sampling, mode="full" if args.full else "pop", chat=args.chat,
-                              on_text=stream)[0]
+    result = session.generate(prompt, sampling, mode=mode, chat=args.chat, on_text=stream)[0]
     if args.json:
         print(json.dumps(result.to_dict()))
         return
