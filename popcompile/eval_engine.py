@@ -28,6 +28,7 @@ import torch
 from . import eval_data
 from .evaluate import (BASELINE, VARIANTS, _timed, _write, batch_size_for, generation_task,
                        score_continuations)
+from .eval_config import EvalConfig
 from .exporters.manifest import MANIFEST
 from .humaneval import humaneval_scores
 from .runtime.generate import SamplingConfig
@@ -187,34 +188,28 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
         "variants": {n: describe(n) for n in names}, "limit": limit, "tasks": {}}
 
 
-def run_engine_eval(folder: str | Path, out: Path, *, tasks: list[str], variant_names: Iterable[str] | None = None,
-                    cut: int | None = None, prune_ratio: float | None = None, do_sweep: bool = False,
-                    limit: int | None = None, prefix_len: int = 512, cont_len: int = 48, gen_tokens: int = 64,
-                    code_tokens: int = 256, batch_size: int | None = None, allow_code_exec: bool = False,
-                    timeout: float = 10.0, code_prompt: str = "auto", provider: str | None = None,
-                    threads: int | None = None) -> dict:
-    """``evaluate.run_eval`` on an engine folder (options already checked there): write ``out/results.json``
-    and the plots; return the results."""
+def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
+    """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the results."""
     from .runtime.ort import PopSession
 
-    names = engine_variant_names(variant_names, cut, prune_ratio, do_sweep)
-    provider = provider or "cpu"
-    session = PopSession(Path(folder).expanduser(), provider=provider, threads=threads)
+    names = engine_variant_names(c.variants, c.cut, c.prune_ratio, c.sweep)
+    provider = c.provider or "cpu"
+    session = PopSession(Path(folder).expanduser(), provider=provider, threads=c.threads)
     tok, run = EvalTokenizer(session.tokenizer), EngineRun(session)
-    results = _header(folder, session, names, prefix_len, cont_len, limit, provider)
+    results = _header(folder, session, names, c.prefix_len, c.cont_len, c.limit, provider)
     t = results["tasks"]
-    if "continuation" in tasks:
-        t["continuation"] = _timed(lambda: _continuation_task(session, tok, names, limit, prefix_len, cont_len,
-                                                              batch_size))
-    if "generation" in tasks:
-        generate = session_generate(session, gen_tokens)
-        t["generation"] = _timed(lambda: generation_task(tok, names, generate, limit, gen_tokens))
-    if "humaneval" in tasks:
-        problems = eval_data.humaneval_problems()[:limit]
+    if "continuation" in c.tasks:
+        t["continuation"] = _timed(lambda: _continuation_task(session, tok, names, c.limit, c.prefix_len,
+                                                              c.cont_len, c.batch_size))
+    if "generation" in c.tasks:
+        generate = session_generate(session, c.gen_tokens)
+        t["generation"] = _timed(lambda: generation_task(tok, names, generate, c.limit, c.gen_tokens))
+    if "humaneval" in c.tasks:
+        problems = eval_data.humaneval_problems()[:c.limit]
         eos = session.tokenizer.eos_token_ids
-        complete = lambda name, ids, stop: greedy(run, ids, ENGINE_VARIANTS[name], code_tokens, eos, stop)
-        t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": code_tokens, **humaneval_scores(
-            complete, tok, problems, names, allow_code_exec=allow_code_exec, timeout=timeout,
-            prompt_format=code_prompt)})
+        complete = lambda name, ids, stop: greedy(run, ids, ENGINE_VARIANTS[name], c.code_tokens, eos, stop)
+        t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_scores(
+            complete, tok, problems, names, allow_code_exec=c.allow_code_exec, timeout=c.timeout,
+            prompt_format=c.code_prompt)})
     _write(results, out)
     return results

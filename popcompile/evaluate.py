@@ -36,7 +36,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import eval_data, reference
-from .humaneval import CODE_EXEC_REFUSAL, humaneval_eval
+from .eval_config import DEFAULT_TASKS, TASKS, EvalConfig, parse_tasks  # noqa: F401 (re-exported)
+from .humaneval import humaneval_eval
 from .eval_report import format_table, plot_quality, plot_sweep, report  # noqa: F401 (re-exported)
 from .reference import Variant
 from .sweep import SWEEP_VARIANTS, auto_cut, auto_cuts, choose_cut, sweep, sweep_cuts  # noqa: F401 (re-exported)
@@ -64,8 +65,6 @@ VARIANTS: dict[str, Callable[[VariantContext], Variant]] = {
     "pop-no-kv": lambda c: Variant(c.cut, kv_projection=False),
     "shortgpt": lambda c: Variant(c.cut, shortgpt=True),
 }
-TASKS = ("continuation", "generation", "humaneval")
-DEFAULT_TASKS = ("continuation", "generation")
 BASELINE = "full"
 
 
@@ -278,31 +277,6 @@ def compare_generations(prompts: list[list[int]], names: list[str], generate: Ca
 
 # --- driver ------------------------------------------------------------------------------------
 
-def parse_tasks(text: str | None, sweep_only: bool) -> list[str]:
-    if text is None:
-        return [] if sweep_only else list(DEFAULT_TASKS)
-    tasks = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in TASKS]
-    if bad or not tasks:
-        raise ValueError(f"unknown task(s) {', '.join(bad) or '(none)'}: use a comma list of {', '.join(TASKS)}")
-    return list(dict.fromkeys(tasks))
-
-
-def _check_options(tasks: list[str], limit, do_sweep: bool, min_agreement: float, allow_code_exec: bool,
-                   sizes: dict[str, int | None]) -> None:
-    if "humaneval" in tasks and not allow_code_exec:
-        raise ValueError(CODE_EXEC_REFUSAL)  # before any model is loaded
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
-    if not (tasks or do_sweep):
-        raise ValueError("nothing to do: give --tasks or --sweep")
-    for flag, value in sizes.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if not 0.0 <= min_agreement <= 1.0:
-        raise ValueError(f"--min-agreement must be within 0..1, got {min_agreement}")
-
-
 def sweep_variant_names(variant_names: Iterable[str] | None) -> list[str]:
     """The curves of ``--sweep``: pop and pop-kvfit among the chosen variants (pop when neither is)."""
     chosen = [n for n in SWEEP_VARIANTS if variant_names is None or n in variant_names]
@@ -331,66 +305,62 @@ def generation_task(tok, names: list[str], generate: Callable[[str, list[int]], 
             "max_new_tokens": gen_tokens, "variants": compare_generations(prompts, names, generate, decode)}
 
 
-def run_eval(model_name: str, out: Path, *, tasks: list[str], variant_names: Iterable[str] | None = None,
-             cut: int | None = None, prune_ratio: float | None = None, limit: int | None = None,
-             prefix_len: int = 512, cont_len: int = 48, gen_tokens: int = 64, code_tokens: int = 256,
-             batch_size: int | None = None, do_sweep: bool = False, min_agreement: float = 0.95,
-             allow_code_exec: bool = False, timeout: float = 10.0, code_prompt: str = "auto",
-             provider: str | None = None, threads: int | None = None) -> dict:
-    """Run the tasks (and the sweep), write ``out/results.json`` and the plots; return the results.
-
-    ``code_prompt``: HumanEval prompt format (``humaneval.PROMPT_FORMATS``: auto, chat, raw). An engine
-    folder as ``model_name`` runs ``eval_engine.run_engine_eval`` (onnxruntime ``provider``, ``threads``)."""
-    _check_options(tasks, limit, do_sweep, min_agreement, allow_code_exec,
-                   {"--gen-tokens": gen_tokens, "--code-tokens": code_tokens, "--batch-size": batch_size,
-                    "--threads": threads})
+def run_eval(model_name: str, out: Path, config: EvalConfig | None = None, **options: Any) -> dict:
+    """Run the tasks (and the sweep) of ``config`` (or ``EvalConfig(**options)``), write
+    ``out/results.json`` and the plots; return the results. An engine folder as ``model_name`` runs
+    ``eval_engine.run_engine_eval`` (onnxruntime, ``config.provider`` / ``config.threads``)."""
+    config = config if config is not None else EvalConfig(**options)
     from .eval_engine import is_engine_folder, run_engine_eval
 
     if is_engine_folder(model_name):
-        return run_engine_eval(
-            model_name, out, tasks=tasks, variant_names=variant_names, cut=cut, prune_ratio=prune_ratio,
-            do_sweep=do_sweep, limit=limit, prefix_len=prefix_len, cont_len=cont_len, gen_tokens=gen_tokens,
-            code_tokens=code_tokens, batch_size=batch_size, allow_code_exec=allow_code_exec, timeout=timeout,
-            code_prompt=code_prompt, provider=provider, threads=threads)
-    if provider is not None or threads is not None:
+        return run_engine_eval(model_name, out, config)
+    if config.provider is not None or config.threads is not None:
         raise ValueError("--provider and --threads are for an engine folder (onnxruntime); "
                          f"{model_name} runs through the eager reference")
-    from .cost import speedup_bound
     from .models import load_model
+
+    results = _reference_eval(load_model(model_name), model_name, config)
+    _write(results, out)
+    return results
+
+
+def _reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
+    """Every task of ``c`` through reference.py on a loaded model."""
+    from .cost import speedup_bound
     from .passes.pop import resolve_cut
 
-    loaded = load_model(model_name)
     model, tok = loaded.model, loaded.tokenizer
     layers = _num_layers(model)
-    cut = resolve_cut(layers, cut, prune_ratio)
-    curves = sweep_variant_names(variant_names)
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if do_sweep and "pop-kvfit" in curves else ())
-    variants = make_variants(VARIANTS if variant_names is None else variant_names, cut, layers, kv_fit=kv_fit)
+    cut = resolve_cut(layers, c.cut, c.prune_ratio)
+    curves = sweep_variant_names(c.variants)
+    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if c.sweep and "pop-kvfit" in curves else ())
+    variants = make_variants(VARIANTS if c.variants is None else c.variants, cut, layers, kv_fit=kv_fit)
     results: dict[str, Any] = {
         "model": model_name, "model_type": model.config.model_type, "num_layers": layers, "cut": cut,
-        "prefix_len": prefix_len, "cont_len": cont_len, "speedup_bound": speedup_bound(model.config, prefix_len, cut),
-        "variants": {n: describe(v) for n, v in variants.items()}, "limit": limit, "tasks": {},
+        "prefix_len": c.prefix_len, "cont_len": c.cont_len,
+        "speedup_bound": speedup_bound(model.config, c.prefix_len, cut),
+        "variants": {n: describe(v) for n, v in variants.items()}, "limit": c.limit, "tasks": {},
     }
-    docs, skipped = (eval_data.continuation_documents(tok, prefix_len, cont_len, limit)
-                     if "continuation" in tasks or do_sweep else (None, None))
+    docs, skipped = (eval_data.continuation_documents(tok, c.prefix_len, c.cont_len, c.limit)
+                     if "continuation" in c.tasks or c.sweep else (None, None))
     t = results["tasks"]
-    if "continuation" in tasks:
+    if "continuation" in c.tasks:
         t["continuation"] = _timed(lambda: {
             "documents": len(docs), "names": [d.name for d in docs], "skipped_too_short": len(skipped),
-            "variants": continuation_eval(model, docs, variants, batch_size)})
-    if "generation" in tasks:
-        t["generation"] = _timed(lambda: _generation_task(model, tok, variants, limit, gen_tokens))
-    if "humaneval" in tasks:
-        problems = eval_data.humaneval_problems()[:limit]
-        t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": code_tokens, **humaneval_eval(
-            model, tok, problems, variants, allow_code_exec=allow_code_exec, max_new_tokens=code_tokens,
-            timeout=timeout, prompt_format=code_prompt)})
-    if do_sweep:
+            "variants": continuation_eval(model, docs, variants, c.batch_size)})
+    if "generation" in c.tasks:
+        t["generation"] = _timed(lambda: _generation_task(model, tok, variants, c.limit, c.gen_tokens))
+    if "humaneval" in c.tasks:
+        problems = eval_data.humaneval_problems()[:c.limit]
+        t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_eval(
+            model, tok, problems, variants, allow_code_exec=c.allow_code_exec, max_new_tokens=c.code_tokens,
+            timeout=c.timeout, prompt_format=c.code_prompt)})
+    if c.sweep:
         def run_sweep() -> dict:
-            rows = sweep(model, docs, batch_size=batch_size, variants=curves, kv_fit=kv_fit)
-            return {"documents": len(docs), "rows": rows, "auto_cut": auto_cuts(rows, {min_agreement, 0.9, 0.95, 0.99})}
+            rows = sweep(model, docs, batch_size=c.batch_size, variants=curves, kv_fit=kv_fit)
+            thresholds = {c.min_agreement, 0.9, 0.95, 0.99}
+            return {"documents": len(docs), "rows": rows, "auto_cut": auto_cuts(rows, thresholds)}
         results["sweep"] = _timed(run_sweep)
-    _write(results, out)
     return results
 
 

@@ -24,13 +24,11 @@ from typing import Any, Callable
 import torch
 
 from . import eval_data, reference
+from .eval_config import CODE_EXEC_REFUSAL, PROMPT_FORMATS  # noqa: F401 (re-exported)
 from .reference import Variant
 
-PROMPT_FORMATS = ("auto", "chat", "raw")
 CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, "
                     "including its signature, in a single ```python code block.\n\n```python\n{prompt}```")
-CODE_EXEC_REFUSAL = ("the humaneval task runs model-written code on this machine; pass --allow-code-exec "
-                     "to allow it (ideally inside a sandbox or container)")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
 _KEPT_NODES = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 

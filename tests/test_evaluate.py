@@ -259,22 +259,40 @@ def test_cli_options_parse(tmp_path):
     parser = build_parser()
     args = parser.parse_args(["eval", "smollm2-135m", "--sweep", "--limit", "3", "--out", str(tmp_path)])
     assert args.handler is cmd_eval and args.sweep and args.limit == 3
-    assert evaluate.parse_tasks(None, sweep_only=True) == []
-    assert evaluate.parse_tasks(None, sweep_only=False) == ["continuation", "generation"]
+    assert evaluate.parse_tasks(None, sweep_only=True) == ()
+    assert evaluate.parse_tasks(None, sweep_only=False) == ("continuation", "generation")
+    assert evaluate.parse_tasks("generation,continuation,generation", False) == (
+        "generation", "continuation", "generation")  # EvalConfig drops the repeat
     with pytest.raises(ValueError, match="unknown task"):
-        evaluate.parse_tasks("continuation,bogus", False)
+        evaluate.EvalConfig(tasks=evaluate.parse_tasks("continuation,bogus", False))
     with pytest.raises(SystemExit):  # --cut and --prune-ratio exclude each other
         parser.parse_args(["eval", "m", "--cut", "3", "--prune-ratio", "0.3", "--out", str(tmp_path)])
 
 
-def test_cli_passes_the_humaneval_prompt_format(monkeypatch, tmp_path):
+def test_cli_builds_one_eval_config(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(evaluate, "run_eval", lambda model, out, **kwargs: seen.update(kwargs) or {})
+    monkeypatch.setattr(evaluate, "run_eval", lambda model, out, config: seen.update(config=config) or {})
     monkeypatch.setattr(evaluate, "report", lambda results: "")
-    assert main(["eval", "m", "--tasks", "humaneval", "--code-prompt", "raw", "--out", str(tmp_path)]) == 0
-    assert seen["code_prompt"] == "raw" and seen["tasks"] == ["humaneval"]
+    assert main(["eval", "m", "--tasks", "humaneval,humaneval", "--allow-code-exec", "--code-prompt", "raw",
+                 "--variants", "pop, shortgpt", "--limit", "3", "--out", str(tmp_path)]) == 0
+    config = seen["config"]
+    assert config.code_prompt == "raw" and config.tasks == ("humaneval",) and config.limit == 3
+    assert config.variants == ("pop", "shortgpt") and not config.sweep
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "m", "--code-prompt", "markdown", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"limit": 0}, "--limit must be >= 1"),
+    ({"gen_tokens": 0}, "--gen-tokens must be >= 1"),
+    ({"min_agreement": 1.5}, "--min-agreement must be within 0..1"),
+    ({"code_prompt": "markdown"}, "unknown HumanEval prompt format"),
+    ({"tasks": (), "sweep": False}, "nothing to do"),
+    ({"timeout": 0}, "--timeout must be > 0"),
+])
+def test_eval_config_names_the_bad_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate.EvalConfig(**options)
 
 
 # --- HumanEval prompt formats and code extraction (real HumanEval problems, replies written like a chat model's) ---

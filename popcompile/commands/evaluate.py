@@ -45,17 +45,25 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_eval)
 
 
+def config_from_args(args):
+    """The EvalConfig of the parsed flags (validated there: bad values are one-line ValueErrors)."""
+    from ..eval_config import EvalConfig, parse_tasks
+
+    variants = args.variants and tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    return EvalConfig(
+        tasks=parse_tasks(args.tasks, args.sweep), variants=variants or None, cut=args.cut,
+        prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
+        gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size, sweep=args.sweep,
+        min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec, timeout=args.timeout,
+        code_prompt=args.code_prompt, provider=args.provider, threads=args.threads)
+
+
 def cmd_eval(args) -> None:
-    from ..evaluate import parse_tasks, report, run_eval
+    config = config_from_args(args)  # before torch is imported: bad options fail in a second
+    from ..evaluate import report, run_eval
 
     quiet_libraries()
-    results = run_eval(
-        args.model, args.out, tasks=parse_tasks(args.tasks, args.sweep),
-        variant_names=args.variants and [v.strip() for v in args.variants.split(",") if v.strip()], cut=args.cut,
-        prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
-        gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size,
-        do_sweep=args.sweep, min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec,
-        timeout=args.timeout, code_prompt=args.code_prompt, provider=args.provider, threads=args.threads)
+    results = run_eval(args.model, args.out, config)
     print(json.dumps(results, indent=1) if args.json else report(results))
     if not args.json:
         print(f"\nwrote {args.out / 'results.json'}", file=sys.stderr)

@@ -1,0 +1,69 @@
+"""``EvalConfig``: what ``popcompile eval`` runs, validated once (before any model is loaded).
+
+Plain data, no torch import: the CLI builds it from its flags, ``evaluate.run_eval`` and
+``eval_engine.run_engine_eval`` read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TASKS = ("continuation", "generation", "humaneval")
+DEFAULT_TASKS = ("continuation", "generation")
+PROMPT_FORMATS = ("auto", "chat", "raw")  # HumanEval: humaneval.resolve_format
+CODE_EXEC_REFUSAL = ("the humaneval task runs model-written code on this machine; pass --allow-code-exec "
+                     "to allow it (ideally inside a sandbox or container)")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    variants: tuple[str, ...] | None = None  # None: every registered variant (an engine folder: full, pop)
+    cut: int | None = None                   # the first pruned layer; or prune_ratio; default 1/3 pruned
+    prune_ratio: float | None = None
+    limit: int | None = None                 # documents / prompts / problems per task
+    prefix_len: int = 512                    # continuation: prefilled tokens
+    cont_len: int = 48                       # continuation: scored tokens
+    gen_tokens: int = 64                     # generation: greedy tokens per chat prompt
+    code_tokens: int = 256                   # humaneval: max tokens per completion
+    batch_size: int | None = None            # documents per forward (default: by vocabulary size)
+    sweep: bool = False                      # continuation at every cut L..ceil(L/2)
+    min_agreement: float = 0.95              # the sweep's auto cut
+    allow_code_exec: bool = False            # humaneval runs model-written code
+    timeout: float = 10.0                    # seconds per HumanEval test program
+    code_prompt: str = "auto"                # PROMPT_FORMATS
+    provider: str | None = None              # engine folders only: onnxruntime provider
+    threads: int | None = None               # engine folders only: onnxruntime intra-op threads
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))
+        if self.variants is not None:
+            object.__setattr__(self, "variants", tuple(dict.fromkeys(self.variants)))
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {', '.join(unknown)}: use a comma list of {', '.join(TASKS)}")
+        if "humaneval" in self.tasks and not self.allow_code_exec:
+            raise ValueError(CODE_EXEC_REFUSAL)
+        if not (self.tasks or self.sweep):
+            raise ValueError("nothing to do: give --tasks or --sweep")
+        sizes = {"--limit": self.limit, "--prefix-len": self.prefix_len, "--cont-len": self.cont_len,
+                 "--gen-tokens": self.gen_tokens, "--code-tokens": self.code_tokens,
+                 "--batch-size": self.batch_size, "--threads": self.threads}
+        for flag, value in sizes.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise ValueError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
+        if self.code_prompt not in PROMPT_FORMATS:
+            raise ValueError(f"unknown HumanEval prompt format {self.code_prompt!r}: use {', '.join(PROMPT_FORMATS)}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+
+
+def parse_tasks(text: str | None, sweep_only: bool) -> tuple[str, ...]:
+    """``--tasks a,b`` -> a tuple; none given: the default tasks, or nothing with ``--sweep``."""
+    if text is None:
+        return () if sweep_only else DEFAULT_TASKS
+    tasks = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not tasks:
+        raise ValueError(f"unknown task(s) (none): use a comma list of {', '.join(TASKS)}")
+    return tasks
