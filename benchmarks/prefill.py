@@ -27,6 +27,7 @@ import transformers
 
 from popcompile.cost import speedup_bound
 from popcompile.models import load_model
+from popcompile.exporters.manifest import BOUNDARIES
 from popcompile.pipeline import GraphPair, build_graphs
 
 SMOLLM2 = "smollm2-135m"
@@ -185,7 +186,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              + "; ".join(f"{m}: {','.join(map(str, t))}" for m, (_, t) in MODELS.items()) + ")")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each variant (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each variant first (default 1)")
-    parser.add_argument("--boundary", choices=["folded", "separate"], default="folded",
+    parser.add_argument("--boundary", choices=BOUNDARIES, default="folded",
                         help="POP's prefill graph: x_N folded in (default) or a separate decode-graph step")
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON to OUT")
     args = parser.parse_args(argv)

@@ -34,6 +34,7 @@ import numpy as np
 import onnxruntime
 
 from popcompile.cost import speedup_bound
+from popcompile.exporters.manifest import BOUNDARIES
 from popcompile.exporters.onnx import export
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
@@ -171,7 +172,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-cost", nargs="+", type=int, metavar="ROWS",
                         help="instead: per decode step after ROWS cached rows, the cost of the past's copies "
                              "against the step (docs/kv.md)")
-    parser.add_argument("--boundary", choices=["folded", "separate"], default="folded",
+    parser.add_argument("--boundary", choices=BOUNDARIES, default="folded",
                         help="engine layout: x_N folded into the prefill graph (default) or a separate decode call")
     parser.add_argument("--kv-calibration", choices=["none", "auto"], default="none",
                         help="auto: also time POP+ (a second engine with refitted K/V weights), interleaved with POP")

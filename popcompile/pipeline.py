@@ -16,10 +16,9 @@ from torch.export import ExportedProgram
 
 from .capture import CapturedModel, capture, export_flat
 from .kv import KVLayout
+from .exporters.manifest import BOUNDARIES
 from .passes.boundary import fold_boundary_pass
 from .passes.pop import KVWeights, erase_metadata_asserts, pop_pass, resolve_cut
-
-BOUNDARIES = ("folded", "separate")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..eval_config import PROMPT_FORMATS
 from .common import add_cut_options, quiet_libraries
 
 
@@ -27,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
     p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per chat prompt (default 64)")
     p.add_argument("--code-tokens", type=int, default=256, help="max tokens per HumanEval completion (default 256)")
-    p.add_argument("--code-prompt", choices=["auto", "chat", "raw"], default="auto",
+    p.add_argument("--code-prompt", choices=PROMPT_FORMATS, default="auto",
                    help="HumanEval prompt: chat (the problem as a request under the chat template, code block "
                         "extracted), raw (the bare prompt to continue), auto (chat when the tokenizer has a template)")
     p.add_argument("--batch-size", type=int, help="documents per forward (default: by vocabulary size)")

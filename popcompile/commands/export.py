@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..exporters.manifest import EngineManifest
+from ..exporters.manifest import BOUNDARIES, EngineManifest
 from . import build_trt
 from .common import CliError, add_cut_options, quiet_libraries
 from .info import summary
@@ -35,7 +35,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to run)")
-    p.add_argument("--boundary", choices=["folded", "separate"], default="folded",
+    p.add_argument("--boundary", choices=BOUNDARIES, default="folded",
                    help="how the last prompt token x_N gets the full model: folded (default: inside the prefill "
                         "graph, which takes x_1..x_N and returns its logits; one call to the first token) or "
                         "separate (a decode-graph call after a prefill of x_1..x_{N-1}, the paper's layout)")
@@ -78,8 +78,7 @@ def _export_onnx(args):
 
         manifest = export(loaded, args.out, cut=cut, prune_ratio=args.prune_ratio, max_seq=args.max_seq,
                           force=args.force, kv_calibration=args.kv_calibration, progress=progress,
-                          cut_choice=choice, dtype=args.dtype,
-                          boundary=args.boundary)
+                          cut_choice=choice, dtype=args.dtype, boundary=args.boundary)
         bar.update(bar.total - bar.n)
     return manifest
 

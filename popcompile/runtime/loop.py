@@ -35,8 +35,8 @@ class Backend(Protocol):
         """Run ``graph`` on ``feeds`` (input_ids and position_ids [B, T], attention_mask [B, past+T]) with
         rows 0..buffer.length-1 of the first B sequences as the past.
 
-        Returns (logits [B, V] of the last position for a graph that has them, else None; the new rows, 2L arrays [B, H_kv, T, D] in the
-        order k0, v0, k1, ...). The loop passes the rows to ``buffer.write`` before the next call, so
+        Returns (logits [B, V] of the last position for a graph that has them, else None; the new rows,
+        2L arrays [B, H_kv, T, D] in the order k0, v0, k1, ...). The loop passes the rows to ``buffer.write`` before the next call, so
         they may be views into ``buffer.present(B, T)``; the backend never writes the cache itself."""
 
 
