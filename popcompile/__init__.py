@@ -20,6 +20,12 @@ _PUBLIC = {
     "build_graphs": "popcompile.pipeline",
     "export": "popcompile.exporters.onnx",
     "PopSession": "popcompile.runtime.ort",
+    "PopcompileError": "popcompile.errors",
+    "ConfigError": "popcompile.errors",
+    "InputError": "popcompile.errors",
+    "ModelError": "popcompile.errors",
+    "EngineError": "popcompile.errors",
+    "OutputError": "popcompile.errors",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

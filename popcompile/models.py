@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .arch import ARCHITECTURES
+from .errors import ModelNotFoundError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -40,14 +41,6 @@ _GGUF_MAGIC = b"GGUF"
 # A hub id is "name" or "owner/name"; anything else that does not exist is a bad path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SOURCE_RECORD = "popcompile_source.json"
-
-
-class ModelNotFoundError(ValueError):
-    """The model name or path resolves to nothing that can be loaded."""
-
-
-class UnsupportedModelError(ValueError):
-    """The model exists but its architecture is not one popcompile supports."""
 
 
 @dataclass(frozen=True)

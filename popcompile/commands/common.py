@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
+from ..errors import ConfigError, InputError
 
-class CliError(Exception):
+
+class CliError(ConfigError):
     """A bad invocation: printed as one line, exit code 2."""
 
 
@@ -43,12 +46,25 @@ def quiet_libraries() -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
+def check_range(flag: str, value: float | None, low: float, high: float = math.inf, *,
+                below_high: bool = False) -> None:
+    """ConfigError unless ``value`` is None or a finite number in [low, high] ([low, high) with ``below_high``)."""
+    if value is None:
+        return
+    inside = math.isfinite(value) and low <= value and (value < high if below_high else value <= high)
+    if not inside:
+        bound = "" if math.isinf(high) else f" and {'<' if below_high else '<='} {high:g}"
+        raise ConfigError(f"{flag} must be a finite number >= {low:g}{bound}, got {value}")
+
+
 def read_text(path: Path, what: str) -> str:
-    """The file's text, or a CliError naming the option (``what``) and the reason."""
+    """The file's text (UTF-8), or an InputError naming the option (``what``), the file and the reason."""
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as err:
-        raise CliError(f"cannot read {what} {path}: {err.strerror}") from None
+        raise InputError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise InputError(f"{what} {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from None
 
 
 def add_corpus_options(p, verb: str) -> None:
@@ -72,5 +88,5 @@ def user_sources(args) -> dict[str, list[str]] | None:
         try:
             sources[str(path)] = jsonl_texts(read_text(path, "--jsonl"), args.jsonl_field)
         except ValueError as err:
-            raise CliError(f"--jsonl {path}: {err}") from None
+            raise InputError(f"--jsonl {path}: {err}") from None
     return sources or None

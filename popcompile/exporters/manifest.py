@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import EngineError
 from ..kv import KVLayout
 
 MANIFEST = "popcompile.json"
@@ -20,10 +21,6 @@ READABLE_VERSIONS = (1, 2)
 #:   separate  the prefill graph takes x_1..x_{N-1}; the decode graph runs x_N over their rows
 BOUNDARIES = ("folded", "separate")
 GRAPH_INPUTS = ("input_ids", "position_ids", "attention_mask")
-
-
-class EngineError(ValueError):
-    """An engine folder that a runtime cannot use; the message says why and what to do."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
+from ..errors import EnvironmentUnavailable
 from .tensorrt_rules import RESTRICTION_CHECKS
 
 OPS_FILE = Path(__file__).with_name("tensorrt_ops.json")
@@ -62,11 +63,8 @@ _NOT_FOLDABLE = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUni
 _SUBGRAPH_OPS = ("If", "Loop", "Scan")
 
 
-class TensorRTUnavailable(RuntimeError, ValueError):
-    """TensorRT cannot run on this machine (no NVIDIA GPU/CUDA, or no ``tensorrt`` package).
-
-    A ValueError as well, so the CLI prints it as a one-line user error.
-    """
+class TensorRTUnavailable(EnvironmentUnavailable, ValueError):
+    """TensorRT cannot run on this machine (no NVIDIA GPU/CUDA, or no ``tensorrt`` package)."""
 
 
 @dataclass(frozen=True)
