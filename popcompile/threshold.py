@@ -1,0 +1,59 @@
+"""The prompt length from which POP pays: ``min_prompt_tokens`` from a measured speedup curve.
+
+POP saves the deep layers' attention and MLP on x_1..x_{N-1}; on a short prompt that saving is small
+next to the fixed cost of a call (the LM head, the weights read for x_N, the runtime's overhead), and
+POP still costs quality. So a prompt shorter than ``min_prompt_tokens`` is prefilled by the full model.
+
+The rule (docs/prompt_length.md): the shortest measured length whose speedup (full TTFT / POP TTFT,
+medians of interleaved repetitions) is at least ``min_speedup``, and from which every longer measured
+length also is. A dip below ``min_speedup`` at a longer length moves the threshold past the dip: one
+lucky short measurement cannot switch POP on for the lengths where it was seen not to pay.
+
+    lengths   16   32   64   128  256  512  1024 2048
+    speedup  0.9  1.12 1.05 1.15 1.2  1.3  1.4  1.45   -> 128 (32 passes, but 64 does not)
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from .errors import ConfigError
+
+DEFAULT_MIN_SPEEDUP = 1.1
+
+
+def choose_min_prompt_tokens(measurements: Mapping[int, float], min_speedup: float = DEFAULT_MIN_SPEEDUP) -> int:
+    """The shortest measured prompt length from which every measured speedup is >= ``min_speedup``.
+
+    ``measurements``: prompt length (tokens) -> measured speedup of POP over full (> 0). ConfigError when
+    the measurements are malformed or when even the longest measured length is below ``min_speedup``
+    (POP pays nowhere that was measured: the fix is a measurement at longer prompts, or an explicit
+    threshold).
+    """
+    _check(measurements, min_speedup)
+    chosen = None
+    for tokens in sorted(measurements, reverse=True):  # longest first: walk down while every length pays
+        if measurements[tokens] < min_speedup:
+            break
+        chosen = tokens
+    if chosen is None:
+        longest = max(measurements)
+        raise ConfigError(
+            f"POP's measured speedup at the longest measured prompt ({longest} tokens: "
+            f"{measurements[longest]:.3f}x) is below min_speedup={min_speedup}: no length pays; measure longer "
+            f"prompts or give min_prompt_tokens explicitly")
+    return chosen
+
+
+def _check(measurements: Mapping[int, float], min_speedup: float) -> None:
+    if not isinstance(measurements, Mapping) or not measurements:
+        raise ConfigError(f"measurements must be a non-empty mapping of prompt length -> speedup, got {measurements!r}")
+    for tokens, speedup in measurements.items():
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ConfigError(f"prompt length {tokens!r} must be an int >= 1 (tokens)")
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not math.isfinite(speedup) \
+                or speedup <= 0:
+            raise ConfigError(f"speedup {speedup!r} at {tokens} tokens must be a finite number > 0 (full TTFT / POP TTFT)")
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not math.isfinite(min_speedup) \
+            or min_speedup <= 0:
+        raise ConfigError(f"min_speedup={min_speedup!r} must be a finite number > 0 (e.g. 1.1)")

@@ -1,0 +1,63 @@
+"""choose_min_prompt_tokens: the documented rule on hand-made curves, and its refusals."""
+from __future__ import annotations
+
+import pytest
+
+from popcompile.errors import ConfigError
+from popcompile.threshold import choose_min_prompt_tokens
+
+LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def curve(*speedups: float) -> dict[int, float]:
+    return dict(zip(LENGTHS, speedups))
+
+
+def test_shortest_length_from_which_every_longer_one_pays():
+    assert choose_min_prompt_tokens(curve(0.8, 0.95, 1.05, 1.12, 1.2, 1.3, 1.4, 1.45)) == 128
+
+
+def test_a_dip_moves_the_threshold_past_it():
+    # 32 passes, 64 does not: POP must not switch on at 32 and off again at 64.
+    assert choose_min_prompt_tokens(curve(0.9, 1.12, 1.05, 1.15, 1.2, 1.3, 1.4, 1.45)) == 128
+
+
+def test_a_dip_at_a_long_length_leaves_only_the_lengths_after_it():
+    assert choose_min_prompt_tokens(curve(1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05, 1.3)) == 2048
+
+
+def test_every_length_pays_gives_the_shortest():
+    assert choose_min_prompt_tokens(curve(1.1, 1.2, 1.2, 1.3, 1.3, 1.4, 1.4, 1.5)) == 16
+
+
+def test_exactly_min_speedup_counts_as_paying():
+    assert choose_min_prompt_tokens({64: 1.0999, 128: 1.1, 256: 1.3}) == 128
+
+
+def test_min_speedup_is_a_parameter():
+    speedups = curve(0.9, 1.0, 1.05, 1.12, 1.2, 1.3, 1.4, 1.45)
+    assert choose_min_prompt_tokens(speedups, min_speedup=1.0) == 32
+    assert choose_min_prompt_tokens(speedups, min_speedup=1.25) == 512
+
+
+def test_order_of_the_mapping_does_not_matter():
+    speedups = curve(0.8, 0.95, 1.05, 1.12, 1.2, 1.3, 1.4, 1.45)
+    assert choose_min_prompt_tokens(dict(reversed(list(speedups.items())))) == 128
+
+
+def test_no_length_pays_names_the_longest_measurement():
+    with pytest.raises(ConfigError, match=r"2048 tokens: 1\.050x.*min_prompt_tokens explicitly"):
+        choose_min_prompt_tokens(curve(0.8, 0.9, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05))
+
+
+@pytest.mark.parametrize("bad", [{}, {0: 1.2}, {True: 1.2}, {16.0: 1.2}, {16: 0.0}, {16: float("nan")},
+                                 {16: "1.2"}, [(16, 1.2)]])
+def test_malformed_measurements_are_refused(bad):
+    with pytest.raises(ConfigError):
+        choose_min_prompt_tokens(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1.1, float("inf"), True])
+def test_malformed_min_speedup_is_refused(bad):
+    with pytest.raises(ConfigError, match="min_speedup"):
+        choose_min_prompt_tokens({16: 1.2}, min_speedup=bad)
