@@ -20,7 +20,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .errors import ConfigError
+
 KV_DTYPES = ("float32", "float16", "bfloat16")
+#: upper bounds of a sane layout: a manifest asking for more is damaged, not a model (4M tokens of context,
+#: 64k layers/heads/head_dim); the KV buffer itself is checked against memory when it is allocated
+LIMITS = {"num_layers": 1 << 16, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "max_seq": 1 << 22}
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,13 @@ class KVLayout:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "max_seq"):
+        for name, limit in LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in KV_DTYPES:
-            raise ValueError(f"KVLayout.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
+                raise ConfigError(f"KVLayout.{name} must be an integer in 1..{limit}, got {_short(value)}")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.dtype, str) or self.dtype not in KV_DTYPES:
+            raise ConfigError(f"KVLayout.dtype must be one of {', '.join(KV_DTYPES)}, got {_short(self.dtype)}")
 
     # Names are part of the contract: both graphs declare exactly these inputs and outputs.
     @staticmethod
@@ -79,7 +85,17 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVLayout":
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown KVLayout fields {sorted(unknown)}: the engine was made by another version")
+        if not isinstance(data, dict):
+            raise ConfigError(f"a KVLayout is an object of {', '.join(cls.__dataclass_fields__)}, got {_short(data)}")
+        fields = set(cls.__dataclass_fields__)
+        unknown, missing = set(data) - fields, fields - set(data) - {"dtype"}
+        if unknown or missing:
+            raise ConfigError(f"KVLayout fields unknown {sorted(map(str, unknown))}, missing {sorted(missing)}: "
+                              "the engine was made by another version")
         return cls(**data)
+
+
+def _short(value: object) -> str:
+    """repr() cut to 60 characters: a damaged file's value can be megabytes."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -251,7 +251,7 @@ def _copy(engine: Path, tmp_path: Path) -> Path:
     target = tmp_path / "engine"
     target.mkdir()
     for item in engine.iterdir():
-        (target / item.name).symlink_to(item)
+        (target / item.name).hardlink_to(item)  # a symlink out of the folder is refused (docs/reliability.md)
     (target / MANIFEST).unlink()
     shutil.copy(engine / MANIFEST, target / MANIFEST)
     return target

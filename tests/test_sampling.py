@@ -97,7 +97,8 @@ def test_accepts_float16_logits_and_rejects_bad_shapes():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_k": -1}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
@@ -110,6 +111,12 @@ def test_accepts_float16_logits_and_rejects_bad_shapes():
 def test_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingConfig(**kwargs)
+
+
+def test_temperature_zero_is_greedy():
+    config = SamplingConfig(greedy=False, temperature=0.0, seed=3)
+    logits = _logits()
+    assert config.greedy and np.array_equal(Sampler(config)(logits), logits.argmax(axis=-1))
 
 
 def test_config_stop_becomes_tuple():

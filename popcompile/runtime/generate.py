@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["SamplingConfig", "Sampler", "StopChecker"]
+from ..errors import ConfigError, EngineError
+
+__all__ = ["SamplingConfig", "Sampler", "StopChecker", "sampling_config"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class SamplingConfig:
     ``greedy`` takes the argmax and ignores temperature/top_k/top_p.  Otherwise the
     logits are divided by ``temperature``, cut to the ``top_k`` best (0 = off), cut to
     the nucleus of probability ``top_p`` (1 = off) and sampled with ``seed``.
+    ``temperature=0`` means greedy (the limit of sampling as the temperature falls, and what most
+    tools mean by it): the config then reads ``greedy=True``. Every invalid value is a ConfigError.
     """
 
     greedy: bool = True
@@ -32,24 +37,50 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        for name, (test, what) in _CHECKS.items():
+            if not test(getattr(self, name)):
+                raise ConfigError(f"{name} must be {what}, got {getattr(self, name)!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise ConfigError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if self.temperature == 0:
+            object.__setattr__(self, "greedy", True)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A finite int or float (not a bool, not inf or nan)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+#: SamplingConfig field -> (test, what the value must be)
+_CHECKS = {
+    "greedy": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+    "temperature": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "seed": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
+    "stop": (lambda v: isinstance(v, (str, list, tuple)), "a string or a list of strings"),
+}
+
+
+def sampling_config(value: SamplingConfig | Mapping | None) -> SamplingConfig:
+    """What ``generate(..., sampling)`` takes: a SamplingConfig, a mapping of its fields, or None (defaults)."""
+    if value is None or isinstance(value, SamplingConfig):
+        return value or SamplingConfig()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"sampling must be a SamplingConfig or a dict of its fields, got {type(value).__name__}")
+    known = [f.name for f in fields(SamplingConfig)]
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise ConfigError(f"unknown sampling options {unknown}: choose from {', '.join(known)}")
+    return SamplingConfig(**value)
 
 
 class Sampler:
@@ -69,7 +100,8 @@ class Sampler:
         if x.ndim != 2:
             raise ValueError(f"logits must have shape [batch, vocab], got {x.shape}")
         if np.isnan(x).any():
-            raise ValueError("logits contain NaN")
+            raise EngineError("the engine's logits contain NaN (a float16 overflow, or a damaged engine): "
+                              "export it with --dtype float32, or re-export it")
         if self.config.greedy:
             return np.argmax(x, axis=-1).astype(np.int64)
         probs = self.probabilities(x)
@@ -92,7 +124,8 @@ def softmax(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     peak = x.max(axis=-1, keepdims=True)
     if not np.isfinite(peak).all():
-        raise ValueError("every row of logits needs at least one finite value")
+        raise EngineError("every row of the engine's logits needs at least one finite value (float16 overflow?): "
+                          "export it with --dtype float32, or re-export it")
     e = np.exp(x - peak)
     return e / e.sum(axis=-1, keepdims=True)
 

@@ -27,16 +27,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import EngineError
 from ..kv import KVLayout
 
 
 class KVBuffer:
     def __init__(self, layout: KVLayout, batch: int):
         self.layout = layout
-        self.data = layout.allocate(batch)
-        row = batch * layout.num_kv_heads * layout.max_seq * layout.head_dim
-        self.staging = np.empty((2 * layout.num_layers, row), dtype=self.data.dtype)
-        self.mask = np.zeros((batch, layout.max_seq), dtype=np.int64)
+        try:
+            self.data = layout.allocate(batch)
+            row = batch * layout.num_kv_heads * layout.max_seq * layout.head_dim
+            self.staging = np.empty((2 * layout.num_layers, row), dtype=self.data.dtype)
+            self.mask = np.zeros((batch, layout.max_seq), dtype=np.int64)
+        except MemoryError:  # cache and staging: twice the buffer's bytes of address space
+            gib = 2 * batch * layout.max_seq * layout.bytes_per_token() / 2**30
+            raise EngineError(f"the KV buffer for {batch} sequences of max_seq={layout.max_seq} tokens needs "
+                              f"{gib:.1f} GiB, more than this machine can map: use a smaller batch or re-export "
+                              "the engine with a smaller --max-seq") from None
         self.length = 0
         self._staged: tuple[int, int] | None = None    # (batch, rows) laid out as a past in staging
         self._handed: list[np.ndarray] | None = None   # the views present() gave out last
