@@ -143,11 +143,11 @@ def continuation_documents(tokenizer: Any, prefix_len: int, cont_len: int, limit
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """The prompt as the user's message under the tokenizer's chat template, else the raw text."""
+    """The prompt as the user's message under the tokenizer's chat template (``apply_chat_template(
+    tokenize=True)``: the template places the special tokens), else the raw text with them."""
     if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        return encode(tokenizer, rendered, add_special_tokens=False)
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False))
     return encode(tokenizer, text)
 
 

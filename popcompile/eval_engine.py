@@ -2,19 +2,25 @@
 
 Two variants, the two modes of the runtime on the engine's own graphs::
 
-    full   decode graph on x_1..x_N                         (session mode "full")
-    pop    prefill graph on x_1..x_{N-1}, decode graph on x_N  (session mode "pop": the engine's cut,
-           with whatever K/V calibration it was exported with; both recorded in results.json)
+    full   decode graph on x_1..x_N                             (session mode "full")
+    pop    prefill graph on x_1..x_N, x_N's logits out of it   (session mode "pop": the engine's cut,
+           with whatever K/V calibration it was exported with; both recorded in results.json; an engine
+           exported with --boundary separate runs x_1..x_{N-1}, then the decode graph on x_N)
+
+Prompts are encoded as ``popcompile run`` encodes them (``runtime.loop.encode_prompt``): under the chat
+template, ``EngineTokenizer.encode_chat``, which adds no special tokens of its own; raw text with them.
+Decoding is greedy whatever the engine's generation_config.json says, so the scores are reproducible.
 
 The ablations (pop-no-boundary, shortgpt, ...), other cuts and ``--sweep`` need the model: an engine
 holds one cut. Tasks, data, metrics and the results schema are ``evaluate.py``'s (``score_continuations``,
 ``generation_task``, ``humaneval_scores``); only where the logits and tokens come from differs:
 
 - continuation: the decode graph returns the logits of its last position only ([B, V]), so after the
-  prefix (in the variant's mode) the continuation runs as C-1 one-token decode steps: [B, C, V].
+  prefix (the runtime's prefill, ``loop.Generation.prefill``, in the variant's mode) the continuation
+  runs as C-1 one-token decode steps: [B, C, V].
 - generation: ``PopSession.generate`` (greedy), one prompt at a time, as the runtime serves it.
-- humaneval: greedy steps through the same graphs with humaneval.py's stop rule (the code block closed,
-  or a line at column 0), prompt formats, extraction and harness.
+- humaneval: greedy steps through the same prefill and decode steps with humaneval.py's stop rule (the
+  code block closed, or a line at column 0), prompt formats, extraction and harness.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from .exporters.manifest import MANIFEST
 from .humaneval import humaneval_scores
 from .runtime.generate import SamplingConfig
 from .runtime.kvbuffer import KVBuffer
+from .runtime.loop import Generation
 
 #: variant -> PopSession mode
 ENGINE_VARIANTS = {"full": "full", "pop": "pop"}
@@ -72,10 +79,12 @@ class EvalTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens)}
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True,
+                            return_dict: bool = False) -> str | list[int]:
+        """The rendered text, or (``tokenize=True``) its ids as ``run`` encodes a chat prompt (encode_chat)."""
+        assert not return_dict, "EvalTokenizer returns ids or text, not a BatchEncoding"
         if tokenize:
-            raise ValueError("EvalTokenizer.apply_chat_template renders text only (tokenize=False)")
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -83,41 +92,33 @@ class EvalTokenizer:
 
 
 class EngineRun:
-    """One sequence batch through the session's graphs and backend (IO binding), step by step, with a
-    KV buffer of its own (allocated again only for a larger batch)."""
+    """One unpadded sequence batch through the runtime's own steps (``loop.Generation``: its prefill
+    schedule, the session's backend with IO binding), with a KV buffer of its own (allocated again only
+    for a larger batch)."""
 
     def __init__(self, session: Any):
-        self.session, self.buffer = session, None
+        self.session, self.buffer, self.generation = session, None, None
 
     def start(self, prompt: np.ndarray, mode: str) -> np.ndarray:
-        """Prefill ``prompt`` ids [B, N] from an empty cache as ``mode`` does; the logits [B, V] that
-        predict token N+1. pop: prefill graph on x_1..x_N when the engine's boundary is folded (it returns
-        x_N's logits), else on x_1..x_{N-1} and the decode graph on x_N; full: decode graph on x_1..x_N."""
+        """Prefill ``prompt`` ids [B, N] from an empty cache as ``run`` does in ``mode``, always pruning in
+        pop (min_prompt_tokens 0); the logits [B, V] that predict token N+1."""
         if mode not in ENGINE_VARIANTS.values():
             raise ValueError(f"mode must be one of {', '.join(ENGINE_VARIANTS.values())}, got {mode!r}")
         if self.buffer is None or self.buffer.batch < prompt.shape[0]:
             self.buffer = KVBuffer(self.session.layout, prompt.shape[0])
         self.buffer.reset()
-        if mode == "pop" and self.session.manifest.boundary == "folded" and prompt.shape[1] > 1:
-            return self._run("prefill", prompt)
-        split = prompt.shape[1] - 1 if mode == "pop" else 0
-        if split > 0:
-            self._run("prefill", prompt[:, :split])
-        return self._run("decode", prompt[:, split:])
+        self.generation = Generation(self.session.backend, self.buffer, self.session.tokenizer, SamplingConfig(),
+                                     mode, folded=self.session.manifest.boundary == "folded")
+        ids = np.ascontiguousarray(prompt, dtype=np.int64)
+        return self.generation.prefill(ids, np.ones_like(ids))
 
     def step(self, ids: np.ndarray) -> np.ndarray:
         """Decode graph on ``ids`` [B, T] after the cached rows; logits [B, V] of the last of them."""
-        return self._run("decode", ids)
-
-    def _run(self, graph: str, ids: np.ndarray) -> np.ndarray | None:
         batch, steps = ids.shape
-        past, mask = self.buffer.length, np.ones((batch, steps), np.int64)
-        feeds = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64),
-                 "position_ids": np.tile(np.arange(past, past + steps, dtype=np.int64), (batch, 1)),
-                 "attention_mask": self.buffer.attention_mask(batch, mask)}
-        logits, present = self.session.backend.run(graph, feeds, self.buffer)
-        self.buffer.write(present, mask)
-        return logits
+        past = self.buffer.length
+        positions = np.tile(np.arange(past, past + steps, dtype=np.int64), (batch, 1))
+        return self.generation.step("decode", np.ascontiguousarray(ids, dtype=np.int64), positions,
+                                    np.ones((batch, steps), np.int64))
 
 
 def continuation_logits(run: EngineRun, prefix: np.ndarray, continuation: np.ndarray, mode: str) -> np.ndarray:
@@ -164,8 +165,8 @@ def _continuation_task(session: Any, tok: EvalTokenizer, names: list[str], limit
 
 
 def _vocab(session: Any) -> int:
-    size = session.sessions["decode"].get_outputs()[0].shape[1]
-    return size if isinstance(size, int) else session.tokenizer.vocab_size
+    """The logits' width for batch sizing: the tokenizer's vocabulary (the graph's may be padded a little)."""
+    return session.tokenizer.vocab_size
 
 
 def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int, cont_len: int,

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from popcompile.models import load_model
+from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.tokenizer import EngineTokenizer, StreamDecoder
 
 TEXTS = [
@@ -98,6 +99,21 @@ def test_chat_template(pair):
             assert tok.apply_chat_template(messages, add_generation_prompt=prompt) == expected
 
 
+def test_prompt_ids_equal_hf(pair):
+    """encode_prompt (what run and eval send) equals apply_chat_template(tokenize=True), or tokenizer(text)."""
+    hf, tok, name = pair
+    for text in TEXTS[1:4]:
+        if name == "gemma3-270m":  # no template: plain text with <bos>
+            assert encode_prompt(tok, text) == hf(text).input_ids
+            continue
+        expected = hf.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                          add_generation_prompt=True, return_dict=False)
+        assert encode_prompt(tok, text) == list(expected)
+    for messages in MESSAGES[1:] if name != "gemma3-270m" else []:
+        assert tok.encode_chat(messages) == list(hf.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
 @pytest.mark.parametrize("text", [TEXTS[0][:2000], TEXTS[2], CJK_EMOJI])
 def test_stream_decoder_concatenates_to_full_decode(pair, text):
     _, tok, _ = pair
@@ -155,7 +171,7 @@ def test_runtime_imports_no_torch():
         import sys, popcompile.runtime.tokenizer, popcompile.runtime.generate
         bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]
         bad += [m for m in sys.modules if m.startswith('popcompile.') and not (
-            m.startswith('popcompile.runtime') )]
+            m.startswith('popcompile.runtime') or m == 'popcompile.errors')]
         assert not bad, bad
         """
     )

@@ -6,25 +6,34 @@ import sys
 from pathlib import Path
 
 from . import build_trt
-from .common import CliError, read_text
+from .common import read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="generate text with an engine folder",
-                       description="Generate with POP (prefill graph on x_1..x_{N-1}, decode graph from x_N) "
-                                   "or, with --full, the decode graph alone.")
+                       description="Generate with POP (the prefill graph on the prompt x_1..x_N returns x_N's "
+                                   "logits, then the decode graph per new token; engines exported with --boundary "
+                                   "separate prefill x_1..x_{N-1} and run x_N through the decode graph) or, with "
+                                   "--full, the decode graph alone. Decoding follows the engine's "
+                                   "generation_config.json (greedy unless it sets do_sample: true, with its "
+                                   "temperature/top_k/top_p) unless --greedy or a sampling option says otherwise; "
+                                   "--json reports the values used.")
     p.add_argument("engine", type=Path, help="engine folder written by `popcompile export`")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help=DEFAULT_PROMPT_NOTE)
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless a sampling option is given)")
-    p.add_argument("--temperature", type=float, help="sample with this temperature")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="sample from the smallest set with this total probability")
-    p.add_argument("--seed", type=int, help="random seed for sampling")
+    p.add_argument("--greedy", action="store_true",
+                   help="always take the most likely token, whatever generation_config.json says")
+    p.add_argument("--temperature", type=float,
+                   help="sample with this temperature; 0 = greedy (default: generation_config.json's, else 1)")
+    p.add_argument("--top-k", type=int,
+                   help="sample from the k most likely tokens; 0 = off (default: generation_config.json's, else off)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set with this total probability; "
+                                               "1 = off (default: generation_config.json's, else off)")
+    p.add_argument("--seed", type=int, help="random seed for sampling (default: a new one each run)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
@@ -40,32 +49,45 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_run)
 
 
-def _sampling(args):
-    from ..runtime.generate import SamplingConfig
+def _sampling_options(args):
+    """The user's decoding options, checked before the engine loads (ConfigError naming the flag)."""
+    from ..runtime.defaults import SamplingOptions
 
-    sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
-    if args.greedy and sampled:
-        raise CliError("--greedy cannot be combined with --temperature/--top-k/--top-p: choose one")
-    return SamplingConfig(
-        greedy=not sampled, temperature=args.temperature or 1.0, top_k=args.top_k or 0,
-        top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    return SamplingOptions(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed)
+
+
+def _describe(choice) -> str:
+    """One line for stderr: greedy, or the sampling values; where they came from."""
+    if choice.greedy:
+        return f"greedy ({choice.sources['greedy']})"
+    values = f"temperature {choice.temperature:g}, top-k {choice.top_k}, top-p {choice.top_p:g}"
+    return f"sampling: {values} ({choice.sources['greedy']})"
 
 
 def cmd_run(args) -> None:
+    from ..runtime.defaults import resolve_sampling
+
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file, "--prompt-file")
-    sampling = _sampling(args)
+    options = _sampling_options(args)
     session = build_trt.open_session(args)
+    ids = session.encode(prompt, args.chat)  # a template or tokenizer problem stops here, before any note
+    choice = resolve_sampling(session.tokenizer.generation_config, options,
+                              str(args.engine / "generation_config.json"))
+    sampling = choice.config(args.max_new_tokens, tuple(args.stop))
+    if choice.ignored:
+        print(f"note: generation_config.json sets {', '.join(f'{k}={v!r}' for k, v in choice.ignored.items())}, "
+              "which popcompile does not apply", file=sys.stderr)
     mode = "full" if args.full else "pop"
     if args.warmup:  # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once
         from ..runtime.generate import SamplingConfig
 
-        session.generate([session.encode(prompt, args.chat)[:8]], SamplingConfig(max_new_tokens=2), mode=mode)
+        session.generate([ids[:8]], SamplingConfig(max_new_tokens=2), mode=mode)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
-    result = session.generate(prompt, sampling, mode=mode, chat=args.chat, on_text=stream)[0]
+    result = session.generate([ids], sampling, mode=mode, on_text=stream)[0]
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "sampling": choice.to_dict()}))
         return
     print(f"\n\n[{result.mode}] TTFT {result.ttft_s * 1000:.1f} ms | prefill {result.prefill_tokens_per_s:.0f} tok/s "
           f"({len(result.prompt_token_ids)} tokens) | decode {result.decode_tokens_per_s:.1f} tok/s "
-          f"({len(result.token_ids)} tokens, {result.finish_reason})", file=sys.stderr)
+          f"({len(result.token_ids)} tokens, {result.finish_reason}) | {_describe(choice)}", file=sys.stderr)

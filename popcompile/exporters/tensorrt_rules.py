@@ -68,12 +68,12 @@ def check_if(node, entry, consts, opset):
         return [("unsupported", f"branch outputs differ in rank ({then} vs {other}); TensorRT: {entry['restrictions']} "
                                 "(merged decoders break this way: optimum#2013)")]
     return [("restriction", f"If node (TensorRT: {entry['restrictions']}); popcompile graphs must not "
-                            "contain If (DESIGN.md): export without control flow")]
+                            "contain If: export without control flow")]
 
 
 def check_loop(node, entry, consts, opset):
     return [("restriction", f"{node.op_type} node: TensorRT: {entry.get('restrictions') or 'supported'}; popcompile "
-                            "graphs must not contain control flow (DESIGN.md): unroll it at export")]
+                            "graphs must not contain control flow: unroll it at export")]
 
 
 RESTRICTION_CHECKS = {

@@ -20,6 +20,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..errors import ConfigError, InputError
 from .generate import Sampler, SamplingConfig, StopChecker
 from .kvbuffer import KVBuffer
 from .tokenizer import EngineTokenizer, StreamDecoder
@@ -69,14 +70,19 @@ class GenerationResult:
 
 
 def encode_prompt(tokenizer: EngineTokenizer, prompt: str, chat: bool | None = None) -> list[int]:
-    """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give some text")
+    """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one.
+
+    Chat: the prompt as the user's message, rendered and encoded without added special tokens
+    (``EngineTokenizer.encode_chat``, as transformers' ``apply_chat_template(tokenize=True)``).
+    Plain text: encoded with the tokenizer's special tokens (Gemma's <bos>), as ``tokenizer(text)``."""
+    if not isinstance(prompt, str) or not prompt:
+        raise InputError(f"the prompt must be non-empty text, got {prompt!r}: give some text")
     use_chat = tokenizer.has_chat_template if chat is None else chat
     if use_chat and not tokenizer.has_chat_template:
-        raise ValueError("this model's tokenizer has no chat template: run without --chat")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat else prompt
-    return tokenizer.encode(text)
+        raise ConfigError("this model's tokenizer has no chat template: run without --chat")
+    if use_chat:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt)
 
 
 def prompt_ids(tokenizer: EngineTokenizer, prompts: str | list[str] | list[list[int]], chat: bool | None,
@@ -120,7 +126,7 @@ class Generation:
         self.sampler = Sampler(sampling)
         self.streamed = 0  # characters of row 0 already given to on_text
 
-    def _step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+    def step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Run one graph on ids [B, T]; store the new K/V rows; return logits [B, V] (decode only)."""
         feeds = {"input_ids": ids, "position_ids": positions,
                  "attention_mask": self.buffer.attention_mask(ids.shape[0], mask)}
@@ -128,21 +134,23 @@ class Generation:
         self.buffer.write(present, mask)
         return logits
 
-    def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """ids [B, N] (left-padded, mask [B, N]) after the cached rows, on the schedule the module docstring
+        gives for this generation's mode; the logits [B, V] predicting token N+1. Public: eval scores them."""
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         if self.mode == "pop" and self.folded and ids.shape[1] > 1:
-            return self._step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
+            return self.step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
         split = ids.shape[1] - 1 if self.mode == "pop" else 0
         if split > 0:
-            self._step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])
-        return self._step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
+            self.step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])
+        return self.step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
 
     def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_pad(prompts, pad)
         self.buffer.reset()
         start = time.perf_counter()
-        first = self.sampler(self._prefill(ids, mask))
+        first = self.sampler(self.prefill(ids, mask))
         ttft = time.perf_counter() - start
         generated, reasons, steps = self._decode(first, mask.sum(axis=1))
         decode_s = time.perf_counter() - start - ttft
@@ -175,7 +183,7 @@ class Generation:
             full = self.buffer.length >= self.buffer.layout.max_seq
             if self.stop.all_finished or steps + 1 >= self.sampling.max_new_tokens or full:
                 return generated, [r or "length" for r in self.stop.finish_reasons], steps
-            logits = self._step("decode", tokens[:, None].astype(np.int64), positions[:, None],
+            logits = self.step("decode", tokens[:, None].astype(np.int64), positions[:, None],
                                 np.ones((batch, 1), np.int64))
             positions, steps = positions + 1, steps + 1
             tokens = self.sampler(logits)

@@ -10,25 +10,27 @@ reproduces what ``transformers`` does with those files:
   ``AutoTokenizer(...)(text).input_ids`` (Gemma prepends ``<bos>``, SmolLM2 does not,
   because that is what each ``tokenizer.json`` post-processor says).
 * ``apply_chat_template`` renders the Jinja template in the same sandboxed
-  environment that ``transformers`` builds (trim_blocks, lstrip_blocks, loop
-  controls, ``raise_exception``, ``strftime_now``, a non-escaping ``tojson``).
+  environment that ``transformers`` builds (chat_template.py).
+* ``encode_chat`` renders, then tokenizes without adding special tokens: the
+  template writes them itself (``{{ bos_token }}`` in Llama 3, Mistral, Gemma 3),
+  and ``apply_chat_template(tokenize=True)`` in transformers 5 always encodes the
+  rendered text with ``add_special_tokens=False``.
 
-Only the standard library, ``tokenizers`` and ``jinja2`` are imported here.
+A file of the folder that cannot be read or parsed is an ``EngineError`` naming
+the file. Only the standard library, ``tokenizers`` and ``jinja2`` are imported.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, processors
+
+from ..errors import ConfigError, EngineError
+from .chat_template import ChatTemplate
 
 __all__ = ["EngineTokenizer", "StreamDecoder"]
 
@@ -42,8 +44,9 @@ SPECIAL_TOKEN_KEYS: tuple[str, ...] = (
     "cls_token",
     "mask_token",
 )
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
+GENERATION_CONFIG = "generation_config.json"
+_REPAIR = "re-export the engine (or restore the file from the model's tokenizer files)"
 
 
 class EngineTokenizer:
@@ -60,6 +63,7 @@ class EngineTokenizer:
         chat_template: str | None,
         *,
         folder: Path | None = None,
+        template_origin: str = "tokenizer_config.json",
     ) -> None:
         self._tok = tokenizer
         # transformers pads/truncates only when a call asks to; tokenizer.json may say otherwise.
@@ -67,10 +71,13 @@ class EngineTokenizer:
         tokenizer.no_padding()
         self.folder = folder
         self.chat_template = chat_template
+        self._template = ChatTemplate(chat_template, template_origin) if chat_template else None
         self.special_tokens: dict[str, str] = _special_tokens(tokenizer_config)
         self._clean_up_spaces = bool(tokenizer_config.get("clean_up_tokenization_spaces"))
-        self._compiled_template: jinja2.Template | None = None
         _sync_post_processor(tokenizer, tokenizer_config, self.special_tokens)
+        #: generation_config.json as written by export (sampling defaults: runtime/defaults.py)
+        self.generation_config: dict[str, Any] = dict(generation_config)
+        self._generation_origin = str(folder / GENERATION_CONFIG) if folder else GENERATION_CONFIG
         self.eos_token_ids: tuple[int, ...] = self._eos_ids(generation_config)
         self.pad_token_id: int | None = self._pad_id(generation_config)
 
@@ -79,12 +86,13 @@ class EngineTokenizer:
     def from_folder(cls, path: str | Path) -> EngineTokenizer:
         """Load the tokenizer files of the engine folder ``path``.
 
-        Raises ``ValueError`` when ``tokenizer.json`` is missing (the folder is incomplete).
+        Raises ``EngineError`` naming the file when ``tokenizer.json`` is missing or any of
+        the files cannot be read or parsed.
         """
         folder = Path(path).expanduser()
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ValueError(
+            raise EngineError(
                 f"engine folder {str(folder)!r} has no tokenizer.json: the engine folder is "
                 "incomplete; re-export the engine"
             )
@@ -92,12 +100,14 @@ class EngineTokenizer:
         special_map = _read_json(folder / "special_tokens_map.json")
         for key, value in special_map.items():  # tokenizer_config wins, as in transformers
             config.setdefault(key, value)
+        template, origin = _find_chat_template(folder, config)
         return cls(
-            Tokenizer.from_file(str(tokenizer_file)),
+            _load_tokenizer(tokenizer_file),
             config,
-            _read_json(folder / "generation_config.json"),
-            _find_chat_template(folder, config),
+            _read_json(folder / GENERATION_CONFIG),
+            template,
             folder=folder,
+            template_origin=origin,
         )
 
     # ------------------------------------------------------------ special tokens
@@ -126,8 +136,8 @@ class EngineTokenizer:
         if value is None:
             eos_id = self.token_to_id(self.eos_token) if self.eos_token else None
             return () if eos_id is None else (eos_id,)
-        ids = [value] if isinstance(value, int) else list(value)
-        return tuple(dict.fromkeys(int(i) for i in ids))  # ordered, without duplicates
+        ids = self._token_ids("eos_token_id", value)
+        return tuple(dict.fromkeys(ids))  # ordered, without duplicates
 
     def _pad_id(self, generation_config: Mapping[str, Any]) -> int | None:
         """The tokenizer's pad token id, else generation_config ``pad_token_id``."""
@@ -135,8 +145,17 @@ class EngineTokenizer:
         pad_id = self.token_to_id(pad) if pad else None
         if pad_id is None:
             value = generation_config.get("pad_token_id")
-            pad_id = value[0] if isinstance(value, list) and value else value
-        return None if pad_id is None else int(pad_id)
+            ids = [] if value is None else self._token_ids("pad_token_id", value)
+            pad_id = ids[0] if ids else None
+        return pad_id
+
+    def _token_ids(self, key: str, value: Any) -> list[int]:
+        """A generation_config token id field (an id or a list of ids) as ids of this vocabulary."""
+        ids = value if isinstance(value, list) else [value]
+        if not all(type(i) is int and 0 <= i < self.vocab_size for i in ids):
+            raise EngineError(f"{self._generation_origin}: {key} must be a token id or a list of token ids "
+                              f"in [0, {self.vocab_size}), got {value!r}: fix the file or re-export the engine")
+        return list(ids)
 
     # ---------------------------------------------------------- encode / decode
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -159,7 +178,7 @@ class EngineTokenizer:
     @property
     def has_chat_template(self) -> bool:
         """Whether the engine folder carries a chat template."""
-        return bool(self.chat_template)
+        return self._template is not None
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
@@ -169,22 +188,24 @@ class EngineTokenizer:
         Equals ``tokenizer.apply_chat_template(messages, tokenize=False,
         add_generation_prompt=...)``; ``kwargs`` reach the template like in transformers.
         """
-        if not self.has_chat_template:
-            raise ValueError(
-                f"the tokenizer of engine folder {str(self.folder)!r} has no chat template; "
-                "encode a plain prompt instead"
+        if self._template is None:
+            raise ConfigError(
+                f"the tokenizer of engine folder {str(self.folder)!r} has no chat template: "
+                "encode the prompt as plain text (--no-chat)"
             )
-        if not messages:
-            raise ValueError("cannot apply the chat template to an empty conversation")
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
-        chat = _alias_reasoning_fields(_normalize_messages(messages))
-        context = {**self.special_tokens, **_plain(kwargs)}
-        context.setdefault("tools", None)
-        context.setdefault("documents", None)
-        return self._compiled_template.render(
-            messages=chat, add_generation_prompt=add_generation_prompt, **context
-        )
+        return self._template.render(messages, add_generation_prompt, {**self.special_tokens, **kwargs})
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of ``messages`` under the chat template.
+
+        Equals ``tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+        add_generation_prompt=...)``: the rendered text is encoded without adding special
+        tokens, because the template places them (a second BOS would be out of distribution).
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 class StreamDecoder:
@@ -227,15 +248,40 @@ class StreamDecoder:
 
 
 # ---------------------------------------------------------------------- helpers
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of ``path``; EngineError naming the file when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise EngineError(f"{str(path)!r} is not UTF-8 text (byte {error.start}): {_REPAIR}") from error
+    except OSError as error:
+        raise EngineError(f"{str(path)!r} cannot be read ({error.strerror}): {_REPAIR}") from error
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``, or ``{}`` when the file does not exist."""
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as handle:
-        data = json.load(handle)
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise EngineError(f"{str(path)!r} is not valid JSON (line {error.lineno} column {error.colno}: "
+                          f"{error.msg}): {_REPAIR}") from error
     if not isinstance(data, dict):
-        raise ValueError(f"{str(path)!r} does not hold a JSON object")
+        raise EngineError(f"{str(path)!r} does not hold a JSON object: {_REPAIR}")
     return data
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    """``tokenizer.json`` as a ``tokenizers.Tokenizer``; EngineError naming the file when it is corrupt."""
+    text = _read_text(path)
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as error:  # tokenizers raises a bare Exception for any file it cannot parse
+        reason = " ".join(str(error).split())
+        raise EngineError(f"{str(path)!r} is not a tokenizer file the tokenizers library can load "
+                          f"({reason}): {_REPAIR}") from error
 
 
 def _token_content(value: Any) -> str | None:
@@ -278,18 +324,26 @@ def _sync_post_processor(
     )
 
 
-def _find_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
-    """chat_template.jinja, else tokenizer_config's (or chat_template.json's) template."""
+def _find_chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None, str]:
+    """(template, the file it came from): chat_template.jinja, else tokenizer_config's, else
+    chat_template.json's."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        return _read_text(jinja_file), str(jinja_file)
+    origin = folder / "tokenizer_config.json"
     template = config.get("chat_template")
     if template is None:
-        template = _read_json(folder / "chat_template.json").get("chat_template")
+        origin = folder / "chat_template.json"
+        template = _read_json(origin).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {item.get("name"): item.get("template") for item in template}
-        template = named.get("default")
-    return template if isinstance(template, str) and template else None
+        if not all(isinstance(item, dict) for item in template):
+            raise EngineError(f"{str(origin)!r}: chat_template must be a string or a list of "
+                              f'{{"name", "template"}} objects: {_REPAIR}')
+        template = {item.get("name"): item.get("template") for item in template}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise EngineError(f"{str(origin)!r}: chat_template must be a string, got {type(template).__name__}: "
+                          f"{_REPAIR}")
+    return template or None, str(origin)
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -300,120 +354,3 @@ def _clean_up_tokenization(text: str) -> str:
     ):  # fmt: skip
         text = text.replace(old, new)
     return text
-
-
-# ------------------------------------------------------------ template rendering
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept ``{% generation %}...{% endgeneration %}`` and render its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """``dict`` for templates: constructs dicts without exposing the type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """A jinja ``namespace`` that refuses underscore-prefixed attribute names."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
-            )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
-    """JSON without jinja's HTML escaping, like transformers' ``tojson`` filter."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile ``source`` in the sandboxed environment transformers uses."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
-
-
-def _plain(value: Any) -> Any:
-    """A copy of ``value`` made only of JSON types (what the template may see)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item) for item in value)
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        return _plain(value.item())
-    return f"<{type(value).__name__} object>"
-
-
-def _normalize_messages(messages: Iterable[Any]) -> list[dict]:
-    """Plain-data copies of the messages, without the keys whose value is None."""
-    chat = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise TypeError(f"chat messages must be dicts, got {message!r}")
-        chat.append({key: _plain(value) for key, value in message.items() if value is not None})
-    return chat
-
-
-def _alias_reasoning_fields(chat: list[dict]) -> list[dict]:
-    """Copy a message's reasoning under every name templates read, as transformers does."""
-    aliased = []
-    for message in chat:
-        reasoning = next(
-            (message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None
-        )
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        aliased.append(message)
-    return aliased

@@ -24,7 +24,7 @@ and the present rows [B, H, T, D] go to scratch and are copied into rows 1 + pas
 (one 2D copy per tensor) unless bound in place. Prompt steps read only the sentinel: a zero block.
 
 Device memory and the stream come from cuda-python (``cuda.bindings.runtime``): the runtime imports
-no torch (DESIGN.md), the pairing TensorRT's own samples use. ``tensorrt`` and ``cuda`` are imported
+no torch (a deployed engine folder needs none, as with runtime/ort.py), the pairing TensorRT's own samples use. ``tensorrt`` and ``cuda`` are imported
 only when a session is made.
 """
 from __future__ import annotations
