@@ -4,12 +4,15 @@ Plain data and json: no torch import, so a deployed runtime can read it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import os
+import re
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import EngineError
-from ..kv import KVLayout
+from ..errors import ConfigError, EngineError
+from ..kv import KV_DTYPES, KVLayout
 
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"
@@ -21,6 +24,75 @@ READABLE_VERSIONS = (1, 2)
 #:   separate  the prefill graph takes x_1..x_{N-1}; the decode graph runs x_N over their rows
 BOUNDARIES = ("folded", "separate")
 GRAPH_INPUTS = ("input_ids", "position_ids", "attention_mask")
+GRAPHS = ("prefill", "decode")
+#: a manifest is a few KB (more with TensorRT profiles); a larger popcompile.json is not one
+MAX_MANIFEST_BYTES = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+RE_EXPORT = "re-export the engine (`popcompile export MODEL --out FOLDER --force`)"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: object) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
+
+
+def is_file_name(value: object) -> bool:
+    """One plain file name: a manifest names only files of its own folder (no path, no ``..``)."""
+    return (isinstance(value, str) and value not in ("", ".", "..") and len(value) <= 255
+            and not any(c in value for c in "/\\\0"))
+
+
+def _is_names(value: object) -> bool:
+    return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+
+
+#: the weights entry's keys -> (test, what the value must be); manifests written before weights were
+#: hashed have no sha256 (runtime/verify.py then checks the size only, with a warning)
+_WEIGHTS_FIELDS = {
+    "file": (is_file_name, "a file name inside the engine folder (no path)"),
+    "bytes": (_is_count, "an integer >= 0"),
+    "sha256": (_is_sha256, "a sha256 of 64 lowercase hex digits"),
+}
+
+
+def _check_weights(value: object) -> None:
+    if not isinstance(value, dict):
+        raise EngineError(f"weights={_short(value)} must be an object of {', '.join(_WEIGHTS_FIELDS)}")
+    _check_keys(value, set(_WEIGHTS_FIELDS), {"file", "bytes"}, "weights")
+    for name, (test, what) in _WEIGHTS_FIELDS.items():
+        if name in value and not test(value[name]):
+            raise EngineError(f"weights.{name}={_short(value[name])} must be {what}")
+
+
+def _short(value: object) -> str:
+    """repr() cut to 60 characters: a damaged manifest's value can be megabytes."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_fields(obj: object, table: dict) -> None:
+    """EngineError naming the first field of ``obj`` whose value fails its test in ``table``."""
+    for name, (test, what) in table.items():
+        value = getattr(obj, name)
+        if not test(value):
+            raise EngineError(f"{name}={_short(value)} must be {what}")
+
+
+#: GraphEntry field -> (test, what the value must be)
+_GRAPH_FIELDS = {
+    "file": (is_file_name, "a file name inside the engine folder (no path)"),
+    "inputs": (_is_names, "a list of tensor names"),
+    "outputs": (_is_names, "a list of tensor names"),
+    "bytes": (_is_count, "an integer >= 0"),
+    "sha256": (_is_sha256, "a sha256 of 64 lowercase hex digits"),
+}
 
 
 @dataclass(frozen=True)
@@ -30,6 +102,30 @@ class GraphEntry:
     outputs: tuple[str, ...]
     bytes: int
     sha256: str
+
+    def __post_init__(self) -> None:
+        _check_fields(self, _GRAPH_FIELDS)
+
+
+#: EngineManifest field -> (test, what the value must be): every value a manifest can hold is checked
+_MANIFEST_FIELDS = {
+    "model": (lambda v: isinstance(v, dict), "an object"),
+    "num_layers": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "cut": (_is_int, "an integer"),
+    "kv_layout": (lambda v: isinstance(v, KVLayout), "a KV layout"),
+    "graphs": (lambda v: isinstance(v, dict) and sorted(v) == sorted(GRAPHS)
+               and all(isinstance(g, GraphEntry) for g in v.values()), "the prefill and decode graph entries"),
+    "weights": (lambda v: isinstance(v, dict), "an object of file, bytes and sha256"),
+    "dtype": (lambda v: isinstance(v, str) and v in KV_DTYPES, f"one of {', '.join(KV_DTYPES)}"),
+    "versions": (lambda v: isinstance(v, dict), "an object"),
+    "eos_token_ids": (lambda v: isinstance(v, tuple) and all(map(_is_count, v)), "a list of token ids"),
+    "target": (lambda v: isinstance(v, str), "a string"),
+    "format": (lambda v: v == FORMAT, repr(FORMAT)),
+    "format_version": (lambda v: _is_int(v) and v in READABLE_VERSIONS, f"one of {READABLE_VERSIONS}"),
+    "extra": (lambda v: isinstance(v, dict), "an object"),
+    "tensorrt": (lambda v: isinstance(v, dict), "an object"),
+    "boundary": (lambda v: isinstance(v, str) and v in BOUNDARIES, f"one of {', '.join(BOUNDARIES)}"),
+}
 
 
 @dataclass(frozen=True)
@@ -52,14 +148,25 @@ class EngineManifest:
     # manifests have no such key and read as empty.
     tensorrt: dict = field(default_factory=dict)
     boundary: str = "separate"  # version 1 manifests have no key: their prefill graphs are "separate"
+    # Prompts shorter than this prefill in full (POP gains ~nothing there and costs quality); 0: always POP.
+    # Chosen at export (`export --min-prompt-tokens`, docs/prompt_length.md); older manifests read as 0.
+    min_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.boundary not in BOUNDARIES:
-            raise EngineError(f"manifest boundary={self.boundary!r} is not one of {BOUNDARIES}: re-export the engine")
+        if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \
+                or self.min_prompt_tokens < 0:
+            raise EngineError(f"manifest min_prompt_tokens={_short(self.min_prompt_tokens)} must be an integer >= 0")
+        _check_fields(self, _MANIFEST_FIELDS)
+        _check_weights(self.weights)
         if not 1 <= self.cut <= self.num_layers:
             raise EngineError(f"manifest cut={self.cut} is out of range 1..{self.num_layers}")
-        if set(self.graphs) != {"prefill", "decode"}:
-            raise EngineError(f"manifest graphs must be prefill and decode, found {sorted(self.graphs)}")
+        if self.kv_layout.num_layers != self.num_layers or self.kv_layout.dtype != self.dtype:
+            raise EngineError(f"kv_layout (num_layers={self.kv_layout.num_layers}, dtype={self.kv_layout.dtype}) "
+                              f"disagrees with num_layers={self.num_layers}, dtype={self.dtype}")
+        for name, entry in self.graphs.items():
+            if entry.inputs != self.expected_inputs() or entry.outputs != self.expected_outputs(name):
+                raise EngineError(f"graphs.{name}: its inputs/outputs are not those kv_layout and boundary="
+                                  f"{self.boundary} describe ({', '.join(self.expected_inputs()[:4])}, ...)")
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -71,35 +178,37 @@ class EngineManifest:
 
     @classmethod
     def read(cls, folder: str | Path) -> "EngineManifest":
-        """Read and validate ``folder/popcompile.json``; EngineError names the problem and the fix."""
-        path = Path(folder) / MANIFEST
+        """Read and validate ``folder/popcompile.json``; EngineError names the problem and the fix.
+
+        Total: any content of the file gives a manifest or an EngineError, never another exception."""
+        if not isinstance(folder, (str, os.PathLike)):
+            raise ConfigError(f"an engine folder is a path, got {_short(folder)}")
         if not Path(folder).is_dir():
             raise EngineError(f"engine folder {folder} does not exist: run `popcompile export MODEL --out {folder}`")
-        if not path.is_file():
+        if not (Path(folder) / MANIFEST).is_file():
             raise EngineError(f"{folder} is not a popcompile engine folder (no {MANIFEST}): re-export it")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise EngineError(f"{path} is corrupt ({err.msg} at line {err.lineno}): re-export the engine") from None
-        return cls.from_dict(data, folder)
+        return cls.from_dict(_read_json(engine_file(folder, MANIFEST, "manifest")), folder)
 
     @classmethod
     def from_dict(cls, data: dict, folder: str | Path = "?") -> "EngineManifest":
+        where = Path(folder) / MANIFEST
+        if not isinstance(data, dict):
+            raise EngineError(f"{where} holds a JSON {type(data).__name__}, not an object: {RE_EXPORT}")
         if data.get("format") != FORMAT:
-            raise EngineError(f"{folder}: not a popcompile engine (format {data.get('format')!r})")
-        if data.get("format_version") not in READABLE_VERSIONS:
+            raise EngineError(f"{folder}: not a popcompile engine (format {_short(data.get('format'))})")
+        version = data.get("format_version")
+        if not _is_int(version) or version not in READABLE_VERSIONS:
             raise EngineError(
-                f"{folder}: engine format version {data.get('format_version')} is not supported by this "
+                f"{folder}: engine format version {_short(version)} is not supported by this "
                 f"popcompile (version {FORMAT_VERSION}): re-export the model with this version")
         try:
-            data = dict(data)
-            data["kv_layout"] = KVLayout.from_dict(data["kv_layout"])
-            data["graphs"] = {k: GraphEntry(**{**g, "inputs": tuple(g["inputs"]), "outputs": tuple(g["outputs"])})
-                              for k, g in data["graphs"].items()}
-            data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-            return cls(**data)
-        except (KeyError, TypeError, ValueError) as err:
-            raise EngineError(f"{folder}: manifest is incomplete or malformed ({err}): re-export the engine") from None
+            return cls(**_typed(cls, data))
+        except EngineError as err:
+            raise EngineError(f"{where}: {err}: {RE_EXPORT}") from None
+
+    def weights_sha256(self) -> str | None:
+        """The weights file's sha256; None for manifests written before weights were hashed."""
+        return self.weights.get("sha256")
 
     def expected_inputs(self) -> tuple[str, ...]:
         return (*GRAPH_INPUTS, *self.kv_layout.past_names)
@@ -111,3 +220,84 @@ class EngineManifest:
     def expected_outputs(self, graph: str) -> tuple[str, ...]:
         present = tuple(self.kv_layout.present_names)
         return ("logits", *present) if self.has_logits(graph) else present
+
+
+def _typed(cls: type, data: dict) -> dict:
+    """The manifest's JSON -> EngineManifest keywords (lists to tuples, nested objects to their classes)."""
+    fields = cls.__dataclass_fields__
+    required = {name for name, f in fields.items() if f.default is f.default_factory is MISSING}
+    _check_keys(data, set(fields), required, "the manifest")
+    data = dict(data)
+    try:
+        data["kv_layout"] = KVLayout.from_dict(data["kv_layout"])
+    except ConfigError as err:
+        raise EngineError(f"kv_layout: {err}") from None
+    graphs = data["graphs"]
+    if not isinstance(graphs, dict) or sorted(graphs) != sorted(GRAPHS):
+        found = sorted(graphs) if isinstance(graphs, dict) else _short(graphs)
+        raise EngineError(f"graphs must be an object of exactly {' and '.join(GRAPHS)}, found {found}")
+    data["graphs"] = {name: _graph_entry(name, entry) for name, entry in graphs.items()}
+    data["eos_token_ids"] = _tuple(data.get("eos_token_ids", []))
+    return data
+
+
+def _graph_entry(name: str, entry: object) -> GraphEntry:
+    fields = set(GraphEntry.__dataclass_fields__)
+    if not isinstance(entry, dict):
+        raise EngineError(f"graphs.{name}={_short(entry)} must be an object of {', '.join(sorted(fields))}")
+    _check_keys(entry, fields, fields, f"graphs.{name}")
+    try:
+        return GraphEntry(**{**entry, "inputs": _tuple(entry["inputs"]), "outputs": _tuple(entry["outputs"])})
+    except EngineError as err:
+        raise EngineError(f"graphs.{name}.{err}") from None
+
+
+def _check_keys(data: dict, known: set, required: set, what: str) -> None:
+    unknown, missing = set(data) - known, required - set(data)
+    if unknown or missing:
+        raise EngineError(f"{what} has unknown keys {sorted(unknown)} and lacks {sorted(missing)}")
+
+
+def _tuple(value: object) -> object:
+    """JSON lists become tuples; anything else stays as it is, for the field checks to refuse."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _read_json(path: Path) -> object:
+    """The manifest file's JSON value; EngineError for anything that is not UTF-8 JSON of a sane size."""
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as err:
+        raise EngineError(f"{path} cannot be read ({err.strerror}): check its permissions") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise EngineError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes, no manifest is: {RE_EXPORT}")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise EngineError(f"{path} is corrupt (not UTF-8 text): {RE_EXPORT}") from None
+    except json.JSONDecodeError as err:
+        raise EngineError(f"{path} is corrupt ({err.msg} at line {err.lineno}): re-export the engine") from None
+    except (ValueError, RecursionError) as err:  # integers of > 4300 digits, nesting deeper than the parser
+        raise EngineError(f"{path} is corrupt ({_short(str(err))}): {RE_EXPORT}") from None
+
+
+def engine_file(folder: str | Path, name: object, key: str) -> Path:
+    """``folder/name`` for the manifest entry ``key``, refused unless it resolves to a path inside ``folder``:
+    no absolute path, no ``..``, no symlink that leads out of the folder (a manifest may name only its own files)."""
+    if not is_file_name(name):
+        raise EngineError(f"{folder}: {key}={_short(name)} is not a file name inside the engine folder: {RE_EXPORT}")
+    try:
+        root = Path(folder).resolve(strict=True)
+        path = (root / name).resolve()
+    except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop
+        raise EngineError(f"{folder}: {name} ({key}) cannot be resolved ({err}): {RE_EXPORT}") from None
+    if root not in path.parents:
+        raise EngineError(f"{folder}: {name} ({key}) leads to {path}, outside the engine folder; an engine folder "
+                          "may only use its own files: copy the file into the folder in its place")
+    return path
+
+
+def sha256_file(path: str | Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()

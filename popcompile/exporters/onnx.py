@@ -30,7 +30,7 @@ from ..calibrate import KVFit, check_fit, default_batches, fit_kv, load_fit
 from ..models import LoadedModel, load_model
 from ..passes.pop import KVWeights, resolve_cut
 from ..pipeline import GraphPair, build_graphs
-from .manifest import EngineError, EngineManifest, GraphEntry
+from .manifest import EngineError, EngineManifest, GraphEntry, sha256_file
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -212,7 +212,8 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
         model={"name": source.name, "kind": source.kind, "path": source.path, "sha256": source.sha256,
                "model_type": loaded.model.config.model_type},
         num_layers=pair.num_layers, cut=pair.cut, kv_layout=pair.layout, graphs=graphs,
-        weights={"file": WEIGHTS, "bytes": weights_bytes}, dtype=pair.layout.dtype,
+        weights={"file": WEIGHTS, "bytes": weights_bytes, "sha256": sha256_file(folder / WEIGHTS)},
+        dtype=pair.layout.dtype,
         versions=_versions(), extra={"kv_calibration": asdict(fit.info) if fit else None, "cut_choice": cut_choice},
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         boundary=pair.boundary,

@@ -60,10 +60,11 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str          # "eos" | "stop" | "length"
-    mode: str
+    mode: str                   # what was asked: "pop" | "full"
     ttft_s: float
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    prefill: str = "pop"        # what ran: "pop", or "full" for mode="full" and prompts below min_prompt_tokens
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -86,17 +87,66 @@ def encode_prompt(tokenizer: EngineTokenizer, prompt: str, chat: bool | None = N
 
 
 def prompt_ids(tokenizer: EngineTokenizer, prompts: str | list[str] | list[list[int]], chat: bool | None,
-               max_seq: int) -> list[list[int]]:
-    """One prompt or a batch (text, or token id lists used as they are) -> checked token id lists."""
-    batch = [prompts] if isinstance(prompts, str) else list(prompts)
-    ids = [p if isinstance(p, list) else encode_prompt(tokenizer, p, chat) for p in batch]
+               max_seq: int, vocab: int) -> list[list[int]]:
+    """One prompt or a batch (text, or token id lists used as they are) -> checked token id lists.
+
+    InputError for anything else: a batch that is not a non-empty list, ids that are not integers in
+    0..vocab-1 (a negative id would wrap, a float truncate, a large one fail inside the runtime)."""
+    if chat is not None and not isinstance(chat, bool):
+        raise ConfigError(f"chat={chat!r} must be True, False or None (None: the chat template when there is one)")
+    batch = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise InputError(f"prompts must be a string, or a non-empty list of strings or of token id lists; "
+                         f"got {_describe(prompts)}")
+    if all(_is_token(p) for p in batch):
+        raise InputError("prompts is a list of token ids: a batch holds prompts, so pass one prompt's ids as "
+                         "[[id, id, ...]]")
+    ids = [encode_prompt(tokenizer, p, chat) if isinstance(p, str) else token_ids(p, row, vocab)
+           for row, p in enumerate(batch)]
     for prompt in ids:
         if not prompt:
-            raise ValueError("a prompt has no tokens: give some text")
+            raise InputError("a prompt has no tokens: give some text")
         if len(prompt) >= max_seq:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
+            raise InputError(f"prompt of {len(prompt)} tokens does not fit the engine's max length "
                              f"{max_seq}: shorten it or re-export with a larger --max-seq")
     return ids
+
+
+def token_ids(prompt: object, row: int, vocab: int) -> list[int]:
+    """Prompt ``row`` given as token ids (a list, tuple or 1-D integer array) -> a list of ints in 0..vocab-1."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise InputError(f"prompt {row} is {_describe(prompt)}: give text or a list of token ids")
+    for index, token in enumerate(prompt):
+        if not _is_token(token) or not 0 <= token < vocab:
+            raise InputError(f"prompt {row}, token {index} is {_describe(token)}: token ids are integers in "
+                             f"0..{vocab - 1} (this engine's vocabulary)")
+    return [int(token) for token in prompt]
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def threshold(value: int | None, default: int) -> int:
+    """The ``min_prompt_tokens`` to use: ``value`` when given (checked), else the engine's ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"min_prompt_tokens={value!r} must be an integer >= 0 (0: always POP)")
+    return int(value)
+
+
+def prefill_path(mode: str, prompts: list[list[int]], min_prompt_tokens: int) -> str:
+    """"pop" or "full": a batch prefills with POP only when its shortest prompt has ``min_prompt_tokens``
+    or more (one graph call serves the whole batch, so one short prompt makes the batch full)."""
+    return "pop" if mode == "pop" and min(map(len, prompts)) >= min_prompt_tokens else "full"
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,15 +165,19 @@ class Generation:
 
     def __init__(self, backend: Backend | RunGraph, buffer: KVBuffer, tokenizer: EngineTokenizer,
                  sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None,
-                 folded: bool = False):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+                 folded: bool = False, min_prompt_tokens: int = 0):
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if on_text is not None and not callable(on_text):
+            raise ConfigError(f"on_text must be a function of one string (or None), got {type(on_text).__name__}")
         self.folded = folded  # the prefill graph takes x_1..x_N and returns x_N's logits (manifest boundary)
         self.backend = backend if isinstance(backend, Backend) else HostBackend(
             backend, frozenset({"decode", "prefill"}) if folded else frozenset({"decode"}))
         self.buffer, self.tokenizer = buffer, tokenizer
         self.sampling, self.mode, self.on_text = sampling, mode, on_text
         self.sampler = Sampler(sampling)
+        self.min_prompt_tokens = min_prompt_tokens  # shorter prompts prefill in full: POP would gain ~nothing
+        self.path = mode
         self.streamed = 0  # characters of row 0 already given to on_text
 
     def step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
@@ -138,9 +192,9 @@ class Generation:
         """ids [B, N] (left-padded, mask [B, N]) after the cached rows, on the schedule the module docstring
         gives for this generation's mode; the logits [B, V] predicting token N+1. Public: eval scores them."""
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        if self.mode == "pop" and self.folded and ids.shape[1] > 1:
+        if self.path == "pop" and self.folded and ids.shape[1] > 1:
             return self.step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
-        split = ids.shape[1] - 1 if self.mode == "pop" else 0
+        split = ids.shape[1] - 1 if self.path == "pop" else 0
         if split > 0:
             self.step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])
         return self.step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
@@ -148,6 +202,7 @@ class Generation:
     def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_pad(prompts, pad)
+        self.path = prefill_path(self.mode, prompts, self.min_prompt_tokens)
         self.buffer.reset()
         start = time.perf_counter()
         first = self.sampler(self.prefill(ids, mask))
@@ -160,7 +215,7 @@ class Generation:
         return [GenerationResult(
             text=text, prompt_token_ids=list(prompt), token_ids=tokens, finish_reason=reason, mode=self.mode,
             ttft_s=ttft, prefill_tokens_per_s=sum(map(len, prompts)) / ttft,
-            decode_tokens_per_s=steps * len(prompts) / decode_s if steps else 0.0,
+            decode_tokens_per_s=steps * len(prompts) / decode_s if steps else 0.0, prefill=self.path,
         ) for prompt, tokens, text, reason in zip(prompts, generated, texts, reasons)]
 
     def _decode(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[list[list[int]], list[str], int]:

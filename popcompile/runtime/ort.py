@@ -8,19 +8,21 @@ tokenizers and jinja2.
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
 
-from ..exporters.manifest import EngineError, EngineManifest
+from ..errors import ConfigError, EngineError, EnvironmentUnavailable
+from ..exporters.manifest import EngineManifest
 from ..kv import KVLayout
-from .generate import SamplingConfig
+from .generate import SamplingConfig, sampling_config
 from .kvbuffer import KVBuffer
-from .loop import Generation, GenerationResult, HostBackend, StepOutputs, encode_prompt, prompt_ids
+from .loop import Generation, GenerationResult, HostBackend, StepOutputs, encode_prompt, prompt_ids, threshold
+from .ort_load import check_external_data, check_signature, load_graph, vocab_size
 from .tokenizer import EngineTokenizer
+from .verify import HashCache, verify_folder
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -31,11 +33,11 @@ PROVIDERS = {
 
 def provider_list(provider: str) -> list[str]:
     """ORT providers for a short name, with CPU as the fallback for unsupported nodes."""
-    if provider not in PROVIDERS:
-        raise EngineError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    if not isinstance(provider, str) or provider not in PROVIDERS:
+        raise ConfigError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
     name = PROVIDERS[provider]
     if name not in ort.get_available_providers():
-        raise EngineError(
+        raise EnvironmentUnavailable(
             f"provider {provider!r} ({name}) is not available in this onnxruntime build "
             f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu for cuda/tensorrt")
     return [name] if name == PROVIDERS["cpu"] else [name, PROVIDERS["cpu"]]
@@ -57,18 +59,13 @@ def check_precision(manifest: EngineManifest, provider: str) -> None:
             f"weights: no faster than float32): run it with --provider cuda, or export it with --dtype float32")
 
 
-def verify_folder(folder: Path, manifest: EngineManifest, *, hashes: bool = True) -> None:
-    """Files present with the manifest's sizes (and hashes for the graphs)."""
-    for entry in manifest.graphs.values():
-        path = folder / entry.file
-        if not path.is_file():
-            raise EngineError(f"{folder}: {entry.file} is missing: the engine folder is incomplete, re-export it")
-        if path.stat().st_size != entry.bytes or (
-                hashes and hashlib.sha256(path.read_bytes()).hexdigest() != entry.sha256):
-            raise EngineError(f"{folder}: {entry.file} does not match the manifest (changed or corrupt): re-export")
-    weights = folder / manifest.weights["file"]
-    if not weights.is_file() or weights.stat().st_size != manifest.weights["bytes"]:
-        raise EngineError(f"{folder}: {manifest.weights['file']} is missing or truncated: re-export the engine")
+def session_options(threads: int | None) -> ort.SessionOptions:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+        raise ConfigError(f"threads={threads!r} must be None or an integer >= 0 (0: onnxruntime's default)")
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return options
 
 
 def signature(session: ort.InferenceSession, names) -> list[tuple]:
@@ -115,37 +112,41 @@ class PopSession:
     session (and again only for a larger batch than any before).
 
     ``io_binding=False`` runs the graphs with plain ``InferenceSession.run`` (past rows copied into
-    the feeds, outputs allocated by onnxruntime): kept for measurements (benchmarks/ttft.py)."""
+    the feeds, outputs allocated by onnxruntime): kept for measurements (benchmarks/ttft.py).
+
+    Loading checks every file it reads (runtime/verify.py, docs/reliability.md): the manifest's types,
+    every path inside the folder, graphs and weights by size and sha256 (a verified hash is remembered in
+    ``hash_cache``, default ``HashCache.default()``: ~/.cache/popcompile/verified), the graphs' external
+    data and their inputs/outputs against kv_layout. Any failure is an EngineError naming the file."""
 
     def __init__(self, folder: str | Path, *, provider: str = "cpu", threads: int | None = None,
-                 io_binding: bool = True):
+                 io_binding: bool = True, min_prompt_tokens: int | None = None, hash_cache: HashCache | None = None):
+        self.manifest = EngineManifest.read(folder)
         self.folder = Path(folder)
-        self.manifest = EngineManifest.read(self.folder)
         self.layout = self.manifest.kv_layout
+        # prompts shorter than this prefill in full; None: the engine's (manifest), 0: always POP
+        self.min_prompt_tokens = threshold(min_prompt_tokens, self.manifest.min_prompt_tokens)
         providers = provider_list(provider)
         check_precision(self.manifest, provider)
-        verify_folder(self.folder, self.manifest)
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        self.sessions = {
-            name: ort.InferenceSession(str(self.folder / entry.file), options, providers=providers)
-            for name, entry in self.manifest.graphs.items()
-        }
+        options = session_options(threads)
+        if not isinstance(io_binding, bool):
+            raise ConfigError(f"io_binding={io_binding!r} must be True or False")
+        paths = verify_folder(self.folder, self.manifest, hash_cache or HashCache.default())
+        for name in self.manifest.graphs:
+            check_external_data(self.folder, paths[name], self.manifest.weights)
+        self.sessions = {name: load_graph(paths[name], options, providers) for name in self.manifest.graphs}
         self._check_signatures()
         self.backend = BoundBackend(self.sessions, self.layout) if io_binding else HostBackend(
             self._run, frozenset(g for g in self.sessions if self.manifest.has_logits(g)))
         self.tokenizer = EngineTokenizer.from_folder(self.folder)
+        # token ids a prompt may hold: the graphs' vocabulary (the embedding rows), else the tokenizer's
+        self.vocab = vocab_size(self.sessions["decode"]) or self.tokenizer.vocab_size
         self.buffer: KVBuffer | None = None
         self.allocations = 0
 
     def _check_signatures(self) -> None:
-        inputs = list(self.manifest.expected_inputs())
         for name, session in self.sessions.items():
-            got_in = [a.name for a in session.get_inputs()]
-            got_out = [a.name for a in session.get_outputs()]
-            if got_in != inputs or got_out != list(self.manifest.expected_outputs(name)):
-                raise EngineError(f"{self.folder}: {name} graph's inputs/outputs differ from the manifest: re-export")
+            check_signature(self.folder, name, session, self.manifest)
         kv = self.layout.past_names
         if signature(self.sessions["prefill"], kv) != signature(self.sessions["decode"], kv):
             raise EngineError(f"{self.folder}: prefill and decode graphs declare different KV inputs: re-export")
@@ -166,10 +167,15 @@ class PopSession:
     def generate(
         self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
         mode: str = "pop", chat: bool | None = None, on_text: Callable[[str], None] | None = None,
+        min_prompt_tokens: int | None = None,
     ) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text, or token id lists used as they are)."""
-        sampling = sampling or SamplingConfig()
-        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq)
+        """Generate for one prompt or a batch (text, or token id lists used as they are).
+
+        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
+        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which."""
+        sampling = sampling_config(sampling)
+        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
         generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text,
-                                folded=self.manifest.boundary == "folded")
+                                folded=self.manifest.boundary == "folded",
+                                min_prompt_tokens=threshold(min_prompt_tokens, self.min_prompt_tokens))
         return generation.run(ids)

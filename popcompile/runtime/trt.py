@@ -29,18 +29,19 @@ only when a session is made.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
 
-from ..exporters.manifest import EngineError, EngineManifest
+from ..errors import ConfigError, EngineError, InputError
+from ..exporters.manifest import EngineManifest, is_file_name
 from ..exporters.tensorrt import PLANS, TrtSection
-from .generate import SamplingConfig
-from .loop import Generation, GenerationResult, encode_prompt, prompt_ids
+from .generate import SamplingConfig, sampling_config
+from .loop import Generation, GenerationResult, encode_prompt, prompt_ids, threshold
 from .tokenizer import EngineTokenizer
+from .verify import HashCache, verify_file
 
 KV_BINDINGS = ("auto", "static", "gather")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -138,16 +139,17 @@ class DeviceKV:
 class TrtSession:
     """Load an engine folder's TensorRT plans once; ``generate`` many times (same interface as PopSession)."""
 
-    def __init__(self, folder: str | Path, *, device: int = 0, kv_binding: str = "auto", cuda_graph: bool = False):
-        folder = Path(folder)
+    def __init__(self, folder: str | Path, *, device: int = 0, kv_binding: str = "auto", cuda_graph: bool = False,
+                 hash_cache: HashCache | None = None):
         manifest = EngineManifest.read(folder)
+        folder = Path(folder)
         section = TrtSection.from_manifest(manifest, folder)
-        verify_plans(folder, section)
+        plans = verify_plans(folder, section, hash_cache or HashCache.default())
         trt = import_tensorrt(section)
         cuda = CudaDevice(device)
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._trt_runtime = trt.Runtime(self._logger)
-        engines = {name: _deserialize(self._trt_runtime, folder, section, name) for name in PLANS}
+        engines = {name: _deserialize(self._trt_runtime, plans[name], section) for name in PLANS}
         contexts = make_contexts(trt, engines, section, cuda.stream)
         self._engines = engines  # contexts need their engines alive
         self._setup(folder, manifest, section, contexts, engine_io(trt, engines["decode"]), cuda,
@@ -172,6 +174,7 @@ class TrtSession:
         self.cuda_graph, self.graphs = cuda_graph, {}
         self.tokenizer = EngineTokenizer.from_folder(folder)
         self.max_batch = section.max_batch
+        self.min_prompt_tokens = manifest.min_prompt_tokens
         self._allocate()
 
     def _allocate(self) -> None:
@@ -287,27 +290,32 @@ class TrtSession:
     def generate(
         self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
         mode: str = "pop", chat: bool | None = None, on_text: Callable[[str], None] | None = None,
+        min_prompt_tokens: int | None = None,
     ) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text, or token id lists used as they are)."""
-        sampling = sampling or SamplingConfig()
-        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq)
+        """Generate for one prompt or a batch (text, or token id lists used as they are).
+
+        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
+        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which."""
+        sampling = sampling_config(sampling)
+        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.io.vocab)
         if len(ids) > self.max_batch:
-            raise ValueError(f"{len(ids)} prompts exceed the engines' max batch {self.max_batch}: "
+            raise InputError(f"{len(ids)} prompts exceed the engines' max batch {self.max_batch}: "
                              f"rebuild with `popcompile build-trt {self.folder} --max-batch {len(ids)} --force`")
         return Generation(self._run, self.kv, self.tokenizer, sampling, mode, on_text,
-                          folded=self.manifest.boundary == "folded").run(ids)
+                          folded=self.manifest.boundary == "folded",
+                          min_prompt_tokens=threshold(min_prompt_tokens, self.min_prompt_tokens)).run(ids)
 
 
 def resolve_binding(kv_binding: str, section: TrtSection, cuda_graph: bool) -> str:
     """"auto" -> what the build tuned the step profile for; static refused for sliding-window models."""
     if kv_binding not in KV_BINDINGS:
-        raise ValueError(f"kv_binding must be one of {KV_BINDINGS}, got {kv_binding!r}")
+        raise ConfigError(f"kv_binding must be one of {KV_BINDINGS}, got {kv_binding!r}")
     binding = section.decode_kv if kv_binding == "auto" else kv_binding
     if binding == "static" and section.decode_kv != "static":
-        raise ValueError("static KV binding reads the whole buffer, which breaks sliding-window attention, and this "
+        raise ConfigError("static KV binding reads the whole buffer, which breaks sliding-window attention, and this "
                          "model has sliding-window layers: use kv_binding='gather' (the default for it)")
     if cuda_graph and binding != "static":
-        raise ValueError("a CUDA graph needs fixed shapes, i.e. the static KV binding, which this model cannot "
+        raise ConfigError("a CUDA graph needs fixed shapes, i.e. the static KV binding, which this model cannot "
                          "use (sliding-window layers): run without --cuda-graph")
     return binding
 
@@ -320,15 +328,21 @@ def _check(ok: bool, name: str, what) -> None:
 
 # --------------------------------------------------------------------------------------------- loading
 
-def verify_plans(folder: Path, section: TrtSection) -> None:
-    """Both plans present with the sizes and hashes the manifest recorded."""
+def verify_plans(folder: Path, section: TrtSection, cache: HashCache) -> dict[str, Path]:
+    """Both plans inside the folder with the sizes and hashes the manifest recorded; their resolved paths."""
+    paths = {}
     for name, entry in section.plans.items():
-        path = folder / entry["file"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"]:
-            raise EngineError(f"{folder}: {entry['file']} is missing or truncated: run `popcompile build-trt {folder}`")
-        if hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-            raise EngineError(f"{folder}: {entry['file']} does not match the manifest: "
+        if not (isinstance(entry, dict) and is_file_name(entry.get("file")) and _is_count(entry.get("bytes"))
+                and isinstance(entry.get("sha256"), str)):
+            raise EngineError(f"{folder}: the manifest's tensorrt.plans.{name} is malformed ({entry!r:.80}): "
                               f"run `popcompile build-trt {folder} --force`")
+        paths[name] = verify_file(folder, entry["file"], f"tensorrt.plans.{name}", entry["bytes"], entry["sha256"],
+                                  cache, fix=f"rebuild the plans with `popcompile build-trt {folder} --force`")
+    return paths
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def import_tensorrt(section: TrtSection):
@@ -346,10 +360,10 @@ def import_tensorrt(section: TrtSection):
     return tensorrt
 
 
-def _deserialize(runtime, folder: Path, section: TrtSection, name: str):
-    engine = runtime.deserialize_cuda_engine((folder / section.plans[name]["file"]).read_bytes())
+def _deserialize(runtime, path: Path, section: TrtSection):
+    engine = runtime.deserialize_cuda_engine(path.read_bytes())
     if engine is None:
-        raise EngineError(f"TensorRT could not load {section.plans[name]['file']} (built for "
+        raise EngineError(f"TensorRT could not load {path} (built for "
                           f"{section.gpu}, compute capability {section.compute_capability}): "
                           "rebuild on this GPU with `popcompile build-trt DIR --force`")
     return engine
