@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from popcompile.errors import ConfigError, EngineError, EnvironmentUnavailable, InputError
 from popcompile.kv import KVLayout
@@ -154,3 +156,51 @@ def test_missing_provider_is_environment_unavailable():
         return
     with pytest.raises(EnvironmentUnavailable, match="onnxruntime-gpu"):
         provider_list("cuda")
+
+
+# ------------------------------------------------------------------------------------------- external data
+
+def _model_with_external_data() -> bytes:
+    """A graph with external tensors in an initializer, a Constant's attribute and an If's subgraph."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def external(name: str, offset: int) -> TensorProto:
+        tensor = helper.make_tensor(name, TensorProto.FLOAT, [4], bytes(16), raw=True)
+        onnx.external_data_helper.set_external_data(tensor, "weights.bin", offset=offset, length=16)
+        tensor.ClearField("raw_data")
+        tensor.data_location = TensorProto.EXTERNAL
+        return tensor
+
+    branch = helper.make_graph([helper.make_node("Identity", ["w2"], ["y"])], "branch", [],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [external("w2", 32)])
+    nodes = [helper.make_node("Constant", [], ["c"], value=external("c", 16)),
+             helper.make_node("If", ["cond"], ["out"], then_branch=branch, else_branch=branch)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])], [external("w", 0)])
+    return helper.make_model(graph).SerializeToString()
+
+
+def test_external_refs_finds_every_tensor_stored_outside():
+    from popcompile.runtime.onnx_refs import ExternalRef, external_refs
+
+    refs = external_refs(_model_with_external_data())
+    assert sorted(refs, key=lambda r: r.offset) == [
+        ExternalRef("weights.bin", "0", "16"), ExternalRef("weights.bin", "16", "16"),
+        ExternalRef("weights.bin", "32", "16"), ExternalRef("weights.bin", "32", "16")]  # one If branch each
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_external_refs_on_damaged_bytes_parses_or_raises_proto_error(data):
+    from popcompile.runtime.onnx_refs import ProtoError, external_refs
+
+    raw = bytearray(_model_with_external_data())
+    for _ in range(data.draw(st.integers(0, 6))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    raw = raw[: data.draw(st.integers(0, len(raw)))]
+    try:
+        refs = external_refs(bytes(raw))
+    except ProtoError:
+        return
+    assert all(ref.location is None or isinstance(ref.location, str) for ref in refs)
