@@ -7,6 +7,8 @@ Two variants, the two modes of the runtime on the engine's own graphs::
            with whatever K/V calibration it was exported with; both recorded in results.json; an engine
            exported with --boundary separate runs x_1..x_{N-1}, then the decode graph on x_N)
 
+The pop variant always prunes: the engine's ``min_prompt_tokens`` (short prompts prefilled in full by
+``run``) is set to 0 here, so the scores describe POP itself (results.json records the engine's value).
 Prompts are encoded as ``popcompile run`` encodes them (``runtime.loop.encode_prompt``): under the chat
 template, ``EngineTokenizer.encode_chat``, which adds no special tokens of its own; raw text with them.
 Decoding is greedy whatever the engine's generation_config.json says, so the scores are reproducible.
@@ -145,9 +147,11 @@ def greedy(run: EngineRun, ids: list[int], mode: str, max_new_tokens: int, eos_t
 
 
 def session_generate(session: Any, max_new_tokens: int) -> Callable[[str, list[int]], list[int]]:
-    """(variant, prompt ids) -> new ids: greedy ``PopSession.generate`` in the variant's mode, as served."""
+    """(variant, prompt ids) -> new ids: greedy ``PopSession.generate`` in the variant's mode, as served
+    (pop always pruned: min_prompt_tokens 0)."""
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
-    return lambda name, ids: session.generate([ids], sampling, mode=ENGINE_VARIANTS[name])[0].token_ids
+    return lambda name, ids: session.generate([ids], sampling, mode=ENGINE_VARIANTS[name],
+                                              min_prompt_tokens=0)[0].token_ids
 
 
 def _continuation_task(session: Any, tok: EvalTokenizer, names: list[str], limit: int | None, prefix_len: int,
@@ -184,7 +188,8 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
     return {
         "model": manifest.model.get("name"), "engine": str(folder), "provider": provider,
         "model_type": manifest.model.get("model_type"), "num_layers": manifest.num_layers, "cut": manifest.cut,
-        "kv_calibration": calibration, "prefix_len": prefix_len, "cont_len": cont_len,
+        "kv_calibration": calibration, "engine_min_prompt_tokens": manifest.min_prompt_tokens,
+        "prefix_len": prefix_len, "cont_len": cont_len,
         "speedup_bound": speedup_bound(config, prefix_len, manifest.cut),
         "variants": {n: describe(n) for n in names}, "limit": limit, "tasks": {}}
 

@@ -121,3 +121,13 @@ def test_what_needs_the_model_is_a_one_line_error(folder, tmp_path, capsys, flag
 def test_engine_options_need_an_engine_folder(tmp_path, capsys):
     assert main(["eval", "no-such-model", "--threads", "1", "--out", str(tmp_path)]) == 2
     assert "are for an engine folder" in capsys.readouterr().err
+
+
+def test_pop_variant_prunes_whatever_the_engines_min_prompt_tokens(folder, model):
+    """`run` prefills prompts shorter than min_prompt_tokens in full; eval's pop variant scores POP itself."""
+    session = PopSession(folder, threads=1, min_prompt_tokens=1000)
+    prompts = [[int(t) for t in np.random.default_rng(3).integers(3, 97, n)] for n in (7, 12)]  # POP != full here
+    assert session.generate([prompts[0]], eval_engine.SamplingConfig(max_new_tokens=1))[0].prefill == "full"
+    engine = evaluate.compare_generations(prompts, ["full", "pop"], eval_engine.session_generate(session, 8))
+    assert engine == evaluate.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)}, 8, EOS)
+    assert engine["pop"]["tokens"] != engine["full"]["tokens"]  # POP ran: the cut changes these generations
