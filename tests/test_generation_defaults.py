@@ -13,7 +13,7 @@ from popcompile.cli import main
 from popcompile.errors import ConfigError, EngineError
 from popcompile.exporters.onnx import export
 from popcompile.models import LoadedModel, ModelSource
-from popcompile.runtime.defaults import SamplingOptions, resolve_sampling
+from popcompile.runtime.defaults import SamplingOptions, engine_sampling, resolve_sampling
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.ort import PopSession
@@ -85,6 +85,26 @@ def test_keys_popcompile_does_not_apply_are_reported():
     assert resolve_sampling(config).to_dict()["ignored"] == {"repetition_penalty": 1.3}
 
 
+def test_the_api_decodes_as_the_file_says_under_a_dicts_values():
+    assert engine_sampling(LLAMA3) == SamplingConfig(greedy=False, temperature=0.6, top_k=0, top_p=0.9)
+    assert engine_sampling({"eos_token_id": 2}) == SamplingConfig()  # no do_sample: greedy, as before
+    assert engine_sampling(LLAMA3, {"max_new_tokens": 5, "stop": ["x"], "seed": 2}) == SamplingConfig(
+        greedy=False, temperature=0.6, top_p=0.9, max_new_tokens=5, stop=("x",), seed=2)
+    assert engine_sampling(LLAMA3, {"greedy": True, "max_new_tokens": 5}).greedy
+    assert engine_sampling({}, {"top_k": 3}) == SamplingConfig(greedy=False, top_k=3)  # a sampling value asks
+    assert engine_sampling({}, {"greedy": False}) == SamplingConfig(greedy=False)
+    config = SamplingConfig(max_new_tokens=3)
+    assert engine_sampling(LLAMA3, config) is config  # a SamplingConfig is used exactly as given
+
+
+@pytest.mark.parametrize("sampling, says", [({"max_tokens": 2}, "unknown sampling options"), (5, "SamplingConfig"),
+                                            ({"temperature": "hot"}, "temperature must be"),
+                                            ({"greedy": True, "top_p": 0.5}, "cannot be combined")])
+def test_the_api_refuses_bad_sampling(sampling, says):
+    with pytest.raises(ConfigError, match=says):
+        engine_sampling(LLAMA3, sampling)
+
+
 # ------------------------------------------------------------------------------------------- the CLI
 def engine(folder, *, template: str, **generation) -> str:
     """A tiny llama engine whose generation_config.json and chat template are the given ones."""
@@ -124,7 +144,10 @@ def test_run_samples_with_the_engines_defaults(sampling_engine, capsys):
     expected = session.generate("t5 t6 t7", SamplingConfig(greedy=False, temperature=0.7, top_k=5, top_p=0.9,
                                                            seed=3, max_new_tokens=6), chat=False)[0]
     assert result["token_ids"] == expected.token_ids
+    assert session.generate("t5 t6 t7", {"seed": 3, "max_new_tokens": 6}, chat=False)[0].token_ids == \
+        expected.token_ids  # the API decodes with the same defaults
     greedy = session.generate("t5 t6 t7", SamplingConfig(max_new_tokens=6), chat=False)[0].token_ids
+    assert session.generate("t5 t6 t7", {"greedy": True, "max_new_tokens": 6}, chat=False)[0].token_ids == greedy
     assert run_json(capsys, sampling_engine, "--greedy")[0]["token_ids"] == greedy
     zero, _ = run_json(capsys, sampling_engine, "--temperature", "0")
     assert zero["token_ids"] == greedy and zero["sampling"]["sources"]["greedy"] == "temperature 0 (--temperature)"

@@ -53,7 +53,7 @@ def _sampling_options(args):
     """The user's decoding options, checked before the engine loads (ConfigError naming the flag)."""
     from ..runtime.defaults import SamplingOptions
 
-    return SamplingOptions(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+    return SamplingOptions(greedy=True if args.greedy else None, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed)
 
 

@@ -9,6 +9,11 @@ without one, vLLM adds nothing: popcompile applies only what someone asked for).
 means greedy. ``SamplingChoice.to_dict`` records every value used and where it came from, for
 ``run --json``. Keys of the file that change decoding and that popcompile does not apply
 (``repetition_penalty`` ...) are listed in ``ignored``, never dropped silently.
+
+The Python API follows the same rule (``engine_sampling``): ``generate(prompt)`` and
+``generate(prompt, {"max_new_tokens": 200})`` decode as the engine's file says, a dict's
+temperature/top_k/top_p ask for sampling, ``"greedy": True``/``False`` decides outright; a
+``SamplingConfig`` is used exactly as given.
 """
 from __future__ import annotations
 
@@ -18,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, EngineError
-from .generate import SamplingConfig
+from .generate import SamplingConfig, sampling_config
 
-__all__ = ["SamplingChoice", "SamplingOptions", "resolve_sampling"]
+__all__ = ["SamplingChoice", "SamplingOptions", "engine_sampling", "resolve_sampling"]
 
 FILE = "generation_config.json"
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -48,9 +53,10 @@ _RULES = {
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """What the user asked for (None: not given). Checked here, before any engine is loaded."""
+    """What the user asked for (None: not given; ``greedy=False`` asks to sample). Checked here, before
+    any engine is loaded."""
 
-    greedy: bool = False
+    greedy: bool | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -61,6 +67,8 @@ class SamplingOptions:
             value = getattr(self, key)
             if value is not None and not valid(value):
                 raise ConfigError(f"--{key.replace('_', '-')} must be {meaning}, got {value!r}")
+        if self.greedy is not None and not isinstance(self.greedy, bool):
+            raise ConfigError(f"greedy must be True, False or None, got {self.greedy!r}")
         if self.greedy and self.given:
             flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.given)
             raise ConfigError(f"--greedy cannot be combined with {flags}: choose one")
@@ -88,7 +96,7 @@ class SamplingChoice:
     def __post_init__(self) -> None:
         assert set(self.sources) >= {"greedy", *SAMPLING_KEYS}, self.sources
 
-    def config(self, max_new_tokens: int, stop: tuple[str, ...] = ()) -> SamplingConfig:
+    def config(self, max_new_tokens: int = 64, stop: tuple[str, ...] = ()) -> SamplingConfig:
         """The runtime's ``SamplingConfig`` (temperature passed as chosen: 0 is greedy there too)."""
         return SamplingConfig(greedy=self.greedy, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, max_new_tokens=max_new_tokens, stop=stop)
@@ -121,9 +129,9 @@ def unapplied(generation_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mode(options: SamplingOptions, file: Mapping[str, Any]) -> tuple[bool, str]:
-    """(greedy, why): --greedy, then a sampling option given, then the file's do_sample."""
-    if options.greedy:
-        return True, "--greedy"
+    """(greedy, why): --greedy (or greedy=False), then a sampling option given, then the file's do_sample."""
+    if options.greedy is not None:
+        return options.greedy, "--greedy" if options.greedy else "greedy=False"
     if options.given:
         return False, ", ".join(f"--{k.replace('_', '-')}" for k in options.given)
     if "do_sample" in file:
@@ -149,3 +157,15 @@ def resolve_sampling(generation_config: Mapping[str, Any], options: SamplingOpti
     return SamplingChoice(greedy=greedy, temperature=float(values["temperature"]), top_k=int(values["top_k"]),
                           top_p=float(values["top_p"]), seed=options.seed, sources=sources,
                           ignored=unapplied(generation_config))
+
+
+def engine_sampling(generation_config: Mapping[str, Any], sampling: SamplingConfig | Mapping | None = None,
+                    origin: str = FILE) -> SamplingConfig:
+    """What a session's ``generate(prompts, sampling)`` runs with: a ``SamplingConfig`` as given; None or
+    a dict of SamplingConfig fields over the engine's generation_config defaults (module docstring)."""
+    if sampling is not None and not isinstance(sampling, Mapping):
+        return sampling_config(sampling)  # a SamplingConfig, or a ConfigError naming the wrong type
+    given = dict(sampling or {})
+    sampling_config(given)  # unknown keys and bad values: ConfigError naming the field
+    choice = {key: given.pop(key) for key in ("greedy", *SAMPLING_KEYS, "seed") if key in given}
+    return resolve_sampling(generation_config, SamplingOptions(**choice), origin).config(**given)

@@ -17,7 +17,8 @@ import onnxruntime as ort
 from ..errors import ConfigError, EngineError, EnvironmentUnavailable
 from ..exporters.manifest import EngineManifest
 from ..kv import KVLayout
-from .generate import SamplingConfig, sampling_config
+from .defaults import engine_sampling
+from .generate import SamplingConfig
 from .kvbuffer import KVBuffer
 from .loop import Generation, GenerationResult, HostBackend, StepOutputs, encode_prompt, prompt_ids, threshold
 from .ort_load import check_external_data, check_signature, load_graph, vocab_size
@@ -172,8 +173,11 @@ class PopSession:
         """Generate for one prompt or a batch (text, or token id lists used as they are).
 
         ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
-        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which."""
-        sampling = sampling_config(sampling)
+        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
+        ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
+        generation_config.json says, under the dict's values (runtime/defaults.py)."""
+        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
+                                   str(self.folder / "generation_config.json"))
         ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
         generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text,
                                 folded=self.manifest.boundary == "folded",

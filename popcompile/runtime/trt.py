@@ -38,7 +38,8 @@ import numpy as np
 from ..errors import ConfigError, EngineError, InputError
 from ..exporters.manifest import EngineManifest, is_file_name
 from ..exporters.tensorrt import PLANS, TrtSection
-from .generate import SamplingConfig, sampling_config
+from .defaults import engine_sampling
+from .generate import SamplingConfig
 from .loop import Generation, GenerationResult, encode_prompt, prompt_ids, threshold
 from .tokenizer import EngineTokenizer
 from .verify import HashCache, verify_file
@@ -295,8 +296,11 @@ class TrtSession:
         """Generate for one prompt or a batch (text, or token id lists used as they are).
 
         ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
-        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which."""
-        sampling = sampling_config(sampling)
+        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
+        ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
+        generation_config.json says, under the dict's values (runtime/defaults.py)."""
+        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
+                                   str(self.folder / "generation_config.json"))
         ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.io.vocab)
         if len(ids) > self.max_batch:
             raise InputError(f"{len(ids)} prompts exceed the engines' max batch {self.max_batch}: "
