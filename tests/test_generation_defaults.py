@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from popcompile.cli import main
@@ -93,6 +94,8 @@ def test_the_api_decodes_as_the_file_says_under_a_dicts_values():
     assert engine_sampling(LLAMA3, {"greedy": True, "max_new_tokens": 5}).greedy
     assert engine_sampling({}, {"top_k": 3}) == SamplingConfig(greedy=False, top_k=3)  # a sampling value asks
     assert engine_sampling({}, {"greedy": False}) == SamplingConfig(greedy=False)
+    assert engine_sampling({}, {"top_k": np.int64(3), "temperature": np.float32(0.5), "seed": np.int64(1)}) == \
+        SamplingConfig(greedy=False, top_k=3, temperature=0.5, seed=1)  # numpy numbers, as SamplingConfig takes
     config = SamplingConfig(max_new_tokens=3)
     assert engine_sampling(LLAMA3, config) is config  # a SamplingConfig is used exactly as given
 

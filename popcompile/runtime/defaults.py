@@ -1,4 +1,4 @@
-"""Sampling defaults from an engine's generation_config.json, under the user's options (numpy only).
+"""Sampling defaults from an engine's generation_config.json, under the user's options (no torch).
 
 Like transformers' ``generate`` (and vLLM, onnxruntime-genai), a model's generation_config.json
 sets the default decoding: ``do_sample`` false or absent means greedy; ``temperature``, ``top_k``
@@ -18,6 +18,7 @@ temperature/top_k/top_p ask for sampling, ``"greedy": True``/``False`` decides o
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,15 +40,21 @@ UNAPPLIED: dict[str, Any] = {"repetition_penalty": 1.0, "min_p": None, "typical_
 
 
 def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> bool:
+    """An integer >= 0 (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 #: key -> (valid value, what a valid value is)
 _RULES = {
     "temperature": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
-    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 = off)"),
+    "top_k": (_count, "an integer >= 0 (0 = off)"),
     "top_p": (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
-    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "seed": (_count, "an integer >= 0"),
 }
 
 
@@ -154,8 +161,9 @@ def resolve_sampling(generation_config: Mapping[str, Any], options: SamplingOpti
     if values["temperature"] == 0 and not greedy:
         greedy, sources["greedy"] = True, f"temperature 0 ({sources['temperature']})"
     sources["seed"] = "--seed" if options.seed is not None else "none: a new random seed"
+    seed = None if options.seed is None else int(options.seed)
     return SamplingChoice(greedy=greedy, temperature=float(values["temperature"]), top_k=int(values["top_k"]),
-                          top_p=float(values["top_p"]), seed=options.seed, sources=sources,
+                          top_p=float(values["top_p"]), seed=seed, sources=sources,
                           ignored=unapplied(generation_config))
 
 
