@@ -34,7 +34,9 @@ import torch
 
 from .arch import arch_spec, attention_windows
 from .capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
+from .errors import ConfigError, InputError, ModelError
 from .eval_data import encode, humaneval_problems
+from .fsutil import atomic_path, atomic_write
 from .passes.gates import BRANCHES, STAGES, GateResult, gate_pass
 from .passes.pop import resolve_cut
 
@@ -56,9 +58,9 @@ class AnalyzeConfig:
         for name, low in (("samples", 1), ("context_len", 2), ("gen_len", 1), ("batch_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"AnalyzeConfig.{name} must be an int >= {low}, got {value!r}")
-        if not 0.0 <= self.budget < 1.0:
-            raise ValueError(f"AnalyzeConfig.budget={self.budget} is out of range: use 0 <= budget < 1")
+                raise ConfigError(f"AnalyzeConfig.{name} must be an int >= {low}, got {value!r}")
+        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and 0.0 <= self.budget < 1.0):
+            raise ConfigError(f"AnalyzeConfig.budget={self.budget} is out of range: use 0 <= budget < 1")
 
     @property
     def window(self) -> int:
@@ -158,10 +160,10 @@ def jsonl_texts(text: str, field: str = "text") -> list[str]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"JSONL line {number} is not JSON: {err.msg}") from None
+            raise InputError(f"JSONL line {number} is not JSON: {err.msg}") from None
         value = item.get(field) if isinstance(item, dict) else item
         if not isinstance(value, str):
-            raise ValueError(f"JSONL line {number}: expected a string or an object with a string {field!r} field")
+            raise InputError(f"JSONL line {number}: expected a string or an object with a string {field!r} field")
         texts.append(value)
     return texts
 
@@ -184,7 +186,7 @@ def token_windows(sources: Mapping[str, Iterable[str]], tokenizer: Any, length: 
     the text runs out, and how many each source gave."""
     prefix = encode(tokenizer, "", add_special_tokens=True)
     if length <= len(prefix):
-        raise ValueError(f"window of {length} tokens leaves no room after {len(prefix)} special tokens")
+        raise ConfigError(f"window of {length} tokens leaves no room after {len(prefix)} special tokens")
     streams = {name: _token_stream(texts, tokenizer, length - len(prefix)) for name, texts in sources.items()}
     windows, taken = [], {name: 0 for name in sources}
     while streams and len(windows) < count:
@@ -196,7 +198,7 @@ def token_windows(sources: Mapping[str, Iterable[str]], tokenizer: Any, length: 
                 windows.append(prefix + chunk)
                 taken[name] += 1
     if not windows:
-        raise ValueError(f"the text has fewer than {length} tokens (--context-len + --gen-len): give more text")
+        raise InputError(f"the text has fewer than {length} tokens (--context-len + --gen-len): give more text")
     return torch.tensor(windows, dtype=torch.long), taken
 
 
@@ -323,13 +325,14 @@ def cut_from_scores(prefill: Sequence[float], budget: float) -> int:
     """The first layer of the deepest contiguous block (layers cut..L-1) whose share of the total
     prefill importance is at most ``budget``; L (nothing pruned) when even the last layer is over.
     Never below 1: layer 0 always runs."""
-    if not 0.0 <= budget < 1.0:
-        raise ValueError(f"budget={budget} is out of range: use 0 <= budget < 1")
+    if not (math.isfinite(budget) and 0.0 <= budget < 1.0):
+        raise ConfigError(f"budget={budget} is out of range: use 0 <= budget < 1")
     if len(prefill) == 1:
         return 1  # one layer: it is the last, its prefill importance is 0, and layer 0 always runs
     total = float(sum(prefill))
     if not math.isfinite(total) or total <= 0 or min(prefill) < 0:
-        raise ValueError(f"prefill importances must be finite, >= 0 and not all 0, got total {total}")
+        raise ModelError(f"prefill importances must be finite, >= 0 and not all 0, got total {total}: "
+                         "the model's weights or gradients overflow; check the model in float32")
     cut, tail = len(prefill), 0.0
     for layer in range(len(prefill) - 1, 0, -1):
         tail += prefill[layer]
@@ -386,9 +389,9 @@ def run_analyze(model: torch.nn.Module, tokenizer: Any, config: AnalyzeConfig = 
 def _check_model(model: torch.nn.Module, config: AnalyzeConfig) -> None:
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:
-        raise ValueError(f"analyze runs in float32, the model is {dtype}: load it in float32 (model.float())")
+        raise ConfigError(f"analyze runs in float32, the model is {dtype}: load it in float32 (model.float())")
     if config.window > (limit := getattr(model.config, "max_position_embeddings", None) or math.inf):
-        raise ValueError(f"--context-len + --gen-len = {config.window} exceeds the model's "
+        raise ConfigError(f"--context-len + --gen-len = {config.window} exceeds the model's "
                          f"max_position_embeddings={limit}: use shorter lengths")
 
 
@@ -403,11 +406,13 @@ def recommended_cut(model: torch.nn.Module, tokenizer: Any, *, budget: float = D
 # --- outputs -----------------------------------------------------------------------------------------
 
 def write_outputs(report: AnalyzeReport, out_dir: Path) -> tuple[Path, Path]:
-    """``analyze.json`` and ``analyze.png`` in ``out_dir`` (created if missing)."""
+    """``analyze.json`` and ``analyze.png`` in ``out_dir`` (created if missing), each through a temporary
+    file and one rename: a reader never sees half a file, an interrupted run leaves the old ones."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     json_path, png_path = Path(out_dir) / REPORT_JSON, Path(out_dir) / REPORT_PNG
-    json_path.write_text(report.to_json() + "\n")
-    plot_report(report, png_path)
+    atomic_write(json_path, report.to_json() + "\n")
+    with atomic_path(png_path) as tmp:
+        plot_report(report, tmp)
     return json_path, png_path
 
 

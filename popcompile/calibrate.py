@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -25,6 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .arch import arch_spec
+from .errors import ConfigError, InputError, UnsupportedModelError
+from .fsutil import atomic_path
 from .passes.pop import Projection
 
 PARTS = ("k_proj", "v_proj")
@@ -78,7 +81,11 @@ def ridge_solve(xtx: torch.Tensor, xty: torch.Tensor, ridge: float, bias: bool) 
     eye = torch.eye(xtx.shape[0], dtype=torch.float64)
     if bias:
         eye[-1, -1] = 0.0
-    w = torch.linalg.solve(xtx + lam * eye, xty)  # [d_in (+1), d_out]
+    try:
+        w = torch.linalg.solve(xtx + lam * eye, xty)  # [d_in (+1), d_out]
+    except torch.linalg.LinAlgError:
+        raise InputError(f"the calibration system is singular at ridge {ridge}: give a larger --ridge "
+                         "or more text") from None
     if not bias:
         return Projection(weight=w.T.float().contiguous())
     return Projection(weight=w[:-1].T.float().contiguous(), bias=w[-1].float().contiguous())
@@ -90,9 +97,10 @@ def fit_kv(
     progress: Callable[[int], None] | None = None,
 ) -> KVFit:
     """Fit replacement k/v projections for layers ``cut+1..L-1`` on token batches [B, T] (no padding)."""
+    check_ridge(ridge)
     spec, layers = arch_spec(model.config), model.get_decoder().layers
     if not 1 <= cut < len(layers):
-        raise ValueError(f"cut={cut} prunes nothing to calibrate: use 1..{len(layers) - 1}")
+        raise ConfigError(f"cut={cut} prunes nothing to calibrate: use 1..{len(layers) - 1}")
     moments: dict[tuple[int, str], _Moments] = {}
     digest, tokens = hashlib.sha256(), 0
     for ids in batches:
@@ -113,12 +121,12 @@ def fit_kv(
         if progress is not None:
             progress(ids.numel())
     if tokens == 0:
-        raise ValueError("no calibration tokens: give a non-empty corpus")
+        raise InputError("no calibration tokens: give a non-empty corpus")
     weights: dict[int, dict[str, Projection]] = {}
     for (index, part), m in moments.items():
         weights.setdefault(index, {})[part] = m.solve(ridge)
     info = CalibrationInfo(cut, len(layers), ridge, tokens, digest.hexdigest())
-    return KVFit(info, weights)
+    return check_finite(KVFit(info, weights), "the fit")
 
 
 # --- every cut in one pass ------------------------------------------------------------------------
@@ -137,7 +145,7 @@ def norm_eps(norm: torch.nn.Module) -> float:
         value = getattr(norm, name, None)
         if isinstance(value, float):
             return value
-    raise ValueError(f"{type(norm).__name__} has no variance_epsilon/eps: fit_kv_cuts needs an RMS norm; "
+    raise UnsupportedModelError(f"{type(norm).__name__} has no variance_epsilon/eps: fit_kv_cuts needs an RMS norm; "
                      "use fit_kv per cut")
 
 
@@ -157,7 +165,7 @@ def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tenso
     got, want = scale * rms_unit(h, eps), norm(h).double()
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     if err > 1e-4:
-        raise ValueError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error {err:.2e}): "
+        raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error {err:.2e}): "
                          "fit_kv_cuts needs an RMS norm with a per-channel scale; use fit_kv per cut")
 
 
@@ -192,10 +200,11 @@ def fit_kv_cuts(
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, KVFit]:
     """``{cut: fit_kv(model, batches, cut)}`` for every cut in one pass over the corpus (see above)."""
+    check_ridge(ridge)
     spec, layers = arch_spec(model.config), model.get_decoder().layers
     num_layers, cuts = len(layers), sorted(set(cuts))
     if not cuts or not all(1 <= c < num_layers for c in cuts):
-        raise ValueError(f"cuts {cuts} must be non-empty and within 1..{num_layers - 1} (a cut of L prunes nothing)")
+        raise ConfigError(f"cuts {cuts} must be non-empty and within 1..{num_layers - 1} (a cut of L prunes nothing)")
     norms = [layer.get_submodule(spec.input_norm) for layer in layers]
     projs = [[layer.get_submodule(getattr(spec, part)) for part in PARTS] for layer in layers]
     width, eps = model.config.hidden_size, norm_eps(norms[0])
@@ -217,9 +226,10 @@ def fit_kv_cuts(
         if progress is not None:
             progress(ids.numel())
     if tokens == 0:
-        raise ValueError("no calibration tokens: give a non-empty corpus")
-    return {c: KVFit(CalibrationInfo(c, num_layers, ridge, tokens, digest.hexdigest()),
-                     _solve_cut(moments, c, scales, projs, split, ridge)) for c in cuts}
+        raise InputError("no calibration tokens: give a non-empty corpus")
+    return {c: check_finite(KVFit(CalibrationInfo(c, num_layers, ridge, tokens, digest.hexdigest()),
+                                  _solve_cut(moments, c, scales, projs, split, ridge)), f"the fit for cut {c}")
+            for c in cuts}
 
 
 def _solve_cut(moments: _AllCutMoments, cut: int, scales, projs, split: int, ridge: float):
@@ -232,39 +242,106 @@ def _solve_cut(moments: _AllCutMoments, cut: int, scales, projs, split: int, rid
     return weights
 
 
+def check_ridge(ridge: float) -> None:
+    if not (isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge >= 0):
+        raise ConfigError(f"--ridge {ridge} must be a finite number >= 0 (default 1e-3)")
+
+
+def check_finite(fit: KVFit, what: str) -> KVFit:
+    """``fit`` unless a weight is NaN or infinite (a singular system with ridge 0, or a damaged file)."""
+    for layer, parts in fit.weights.items():
+        for part, p in parts.items():
+            for name, tensor in (("weight", p.weight), ("bias", p.bias)):
+                if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                    raise InputError(f"{what} has non-finite values in layer {layer} {part}.{name}: "
+                                     "calibrate again with more text or a larger --ridge")
+    return fit
+
+
 def save_fit(fit: KVFit, path: str | Path) -> None:
-    """safetensors with ``layers.{l}.{k_proj|v_proj}.{weight|bias}``; the info in its metadata and a .json."""
+    """safetensors with ``layers.{l}.{k_proj|v_proj}.{weight|bias}`` and the info in its metadata
+    (no side file: nothing beside ``path`` is touched). Written to a temporary sibling, then renamed."""
     tensors = {f"layers.{i}.{part}.{name}": getattr(p, name)
                for i, parts in fit.weights.items() for part, p in parts.items()
                for name in ("weight", "bias") if getattr(p, name) is not None}
-    path = Path(path)
-    save_file(tensors, str(path), metadata={"popcompile_kv_fit": json.dumps(asdict(fit.info))})
-    path.with_suffix(".json").write_text(json.dumps(asdict(fit.info), indent=2) + "\n")
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"popcompile_kv_fit": json.dumps(asdict(fit.info))})
 
 
 def load_fit(path: str | Path) -> KVFit:
-    from safetensors import safe_open
-
+    """The fit in a file from ``save_fit``; InputError naming the file for anything else."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"KV calibration file {path} does not exist: make one with `popcompile calibrate`")
+        raise InputError(f"KV calibration file {path} does not exist: make one with `popcompile calibrate`")
+    try:
+        info, tensors = _read_fit(path)
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' reader raises its own types for a damaged file
+        raise InputError(f"{path} is not a readable KV calibration file ({type(err).__name__}: {err}): "
+                         "re-run `popcompile calibrate`") from None
+    weights: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        index, part, name = _split_key(path, key)
+        weights.setdefault(index, {}).setdefault(part, {})[name] = tensor
+    projections = {i: {part: _projection(path, i, part, t) for part, t in parts.items()}
+                   for i, parts in weights.items()}
+    return check_finite(KVFit(info, projections), f"KV calibration file {path}")
+
+
+def _read_fit(path: Path) -> tuple[CalibrationInfo, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     with safe_open(str(path), "pt") as handle:
         meta = (handle.metadata() or {}).get("popcompile_kv_fit")
     if meta is None:
-        raise ValueError(f"{path} is not a popcompile KV calibration file (no metadata): re-run calibrate")
-    weights: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    for key, tensor in load_file(str(path)).items():
-        _, index, part, name = key.split(".")
-        weights.setdefault(int(index), {}).setdefault(part, {})[name] = tensor
-    projections = {i: {part: Projection(t["weight"], t.get("bias")) for part, t in parts.items()}
-                   for i, parts in weights.items()}
-    return KVFit(CalibrationInfo(**json.loads(meta)), projections)
+        raise InputError(f"{path} is not a popcompile KV calibration file (no metadata): re-run calibrate")
+    try:
+        info = CalibrationInfo(**json.loads(meta))
+    except (ValueError, TypeError) as err:
+        raise InputError(f"{path}: its calibration metadata is malformed ({err}): re-run calibrate") from None
+    if not all(isinstance(getattr(info, n), int) for n in ("cut", "num_layers", "tokens")):
+        raise InputError(f"{path}: its calibration metadata has non-integer cut/num_layers/tokens: re-run calibrate")
+    return info, load_file(str(path))
+
+
+def _split_key(path: Path, key: str) -> tuple[int, str, str]:
+    parts = key.split(".")
+    if len(parts) != 4 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in PARTS \
+            or parts[3] not in ("weight", "bias"):
+        raise InputError(f"{path}: unexpected tensor {key!r} (want layers.N.k_proj|v_proj.weight|bias): "
+                         "re-run calibrate")
+    return int(parts[1]), parts[2], parts[3]
+
+
+def _projection(path: Path, layer: int, part: str, tensors: dict[str, torch.Tensor]) -> Projection:
+    if "weight" not in tensors:
+        raise InputError(f"{path}: layer {layer} {part} has a bias but no weight: re-run calibrate")
+    return Projection(tensors["weight"], tensors.get("bias"))
 
 
 def check_fit(fit: KVFit, cut: int, num_layers: int) -> None:
     if (fit.info.cut, fit.info.num_layers) != (cut, num_layers):
-        raise ValueError(f"KV calibration was fitted for cut {fit.info.cut} of {fit.info.num_layers} layers, "
+        raise InputError(f"KV calibration was fitted for cut {fit.info.cut} of {fit.info.num_layers} layers, "
                          f"not cut {cut} of {num_layers}: re-run `popcompile calibrate --cut {cut}`")
+
+
+def check_fit_shapes(fit: KVFit, model: torch.nn.Module) -> None:
+    """InputError unless ``fit`` has, for every layer cut+1..L-1, k/v weights (and biases) shaped like the model's."""
+    spec, layers = arch_spec(model.config), model.get_decoder().layers
+    wanted = set(range(fit.info.cut + 1, len(layers)))
+    if set(fit.weights) != wanted:
+        raise InputError(f"KV calibration has layers {sorted(fit.weights)}, the model needs {sorted(wanted)}: "
+                         f"re-run `popcompile calibrate` for this model")
+    for index in sorted(wanted):
+        for part in PARTS:
+            proj, got = layers[index].get_submodule(getattr(spec, part)), fit.weights[index].get(part)
+            want_bias = None if proj.bias is None else tuple(proj.bias.shape)
+            got_shapes = got and (tuple(got.weight.shape), None if got.bias is None else tuple(got.bias.shape))
+            if got_shapes != (tuple(proj.weight.shape), want_bias):
+                raise InputError(f"KV calibration layer {index} {part}: shapes {got_shapes} do not match the "
+                                 f"model's {(tuple(proj.weight.shape), want_bias)}: re-run `popcompile calibrate` "
+                                 "for this model")
 
 
 def token_batches(token_lists: Iterable[list[int]], seq_len: int, batch: int) -> Iterable[torch.Tensor]:

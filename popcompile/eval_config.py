@@ -5,10 +5,17 @@ Plain data, no torch import: the CLI builds it from its flags, ``evaluate.run_ev
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError, OutputError
+from .fsutil import check_destination
 
 TASKS = ("continuation", "generation", "humaneval")
 DEFAULT_TASKS = ("continuation", "generation")
+#: what `eval --out` writes (replaced only with --force)
+OUTPUT_FILES = ("results.json", "quality.png", "sweep.png")
 PROMPT_FORMATS = ("auto", "chat", "raw")  # HumanEval: humaneval.resolve_format
 CODE_EXEC_REFUSAL = ("the humaneval task runs model-written code on this machine; pass --allow-code-exec "
                      "to allow it (ideally inside a sandbox or container)")
@@ -33,6 +40,7 @@ class EvalConfig:
     code_prompt: str = "auto"                # PROMPT_FORMATS
     provider: str | None = None              # engine folders only: onnxruntime provider
     threads: int | None = None               # engine folders only: onnxruntime intra-op threads
+    force: bool = False                      # replace OUTPUT_FILES already in the output folder
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))
@@ -40,23 +48,25 @@ class EvalConfig:
             object.__setattr__(self, "variants", tuple(dict.fromkeys(self.variants)))
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
-            raise ValueError(f"unknown task(s) {', '.join(unknown)}: use a comma list of {', '.join(TASKS)}")
+            raise ConfigError(f"unknown task(s) {', '.join(unknown)}: use a comma list of {', '.join(TASKS)}")
         if "humaneval" in self.tasks and not self.allow_code_exec:
-            raise ValueError(CODE_EXEC_REFUSAL)
+            raise ConfigError(CODE_EXEC_REFUSAL)
         if not (self.tasks or self.sweep):
-            raise ValueError("nothing to do: give --tasks or --sweep")
+            raise ConfigError("nothing to do: give --tasks or --sweep")
         sizes = {"--limit": self.limit, "--prefix-len": self.prefix_len, "--cont-len": self.cont_len,
                  "--gen-tokens": self.gen_tokens, "--code-tokens": self.code_tokens,
-                 "--batch-size": self.batch_size, "--threads": self.threads}
+                 "--batch-size": self.batch_size, "--threads": self.threads, "--cut": self.cut}
         for flag, value in sizes.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if not 0.0 <= self.min_agreement <= 1.0:
-            raise ValueError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.prune_ratio is not None and not (math.isfinite(self.prune_ratio) and 0.0 <= self.prune_ratio < 1.0):
+            raise ConfigError(f"--prune-ratio must be within 0 <= ratio < 1, got {self.prune_ratio}")
+        if not (math.isfinite(self.min_agreement) and 0.0 <= self.min_agreement <= 1.0):
+            raise ConfigError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
         if self.code_prompt not in PROMPT_FORMATS:
-            raise ValueError(f"unknown HumanEval prompt format {self.code_prompt!r}: use {', '.join(PROMPT_FORMATS)}")
-        if self.timeout <= 0:
-            raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+            raise ConfigError(f"unknown HumanEval prompt format {self.code_prompt!r}: use {', '.join(PROMPT_FORMATS)}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ConfigError(f"--timeout must be > 0, got {self.timeout}")
 
 
 def parse_tasks(text: str | None, sweep_only: bool) -> tuple[str, ...]:
@@ -65,5 +75,16 @@ def parse_tasks(text: str | None, sweep_only: bool) -> tuple[str, ...]:
         return () if sweep_only else DEFAULT_TASKS
     tasks = tuple(t.strip() for t in text.split(",") if t.strip())
     if not tasks:
-        raise ValueError(f"unknown task(s) (none): use a comma list of {', '.join(TASKS)}")
+        raise ConfigError(f"unknown task(s) (none): use a comma list of {', '.join(TASKS)}")
     return tasks
+
+
+def check_output_folder(out: str | Path, force: bool) -> None:
+    """OutputError unless ``out`` is a folder (or can be made) where OUTPUT_FILES may be written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file: give a folder")
+    taken = [out / name for name in OUTPUT_FILES if (out / name).exists()]
+    if taken and not force:
+        raise OutputError(f"{taken[0]} exists: choose another --out or pass --force to replace it")
+    check_destination(out / OUTPUT_FILES[0])

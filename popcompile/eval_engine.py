@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import eval_data
+from .errors import ConfigError
 from .evaluate import (BASELINE, VARIANTS, _timed, _write, batch_size_for, generation_task,
                        score_continuations)
 from .eval_config import EvalConfig
@@ -54,18 +55,18 @@ def is_engine_folder(path: str | Path) -> bool:
 
 def engine_variant_names(variant_names: Iterable[str] | None, cut: int | None, prune_ratio: float | None,
                          do_sweep: bool) -> list[str]:
-    """The variants to run on an engine (``full`` first); a one-line ValueError for what needs the model."""
+    """The variants to run on an engine (``full`` first); a one-line ConfigError for what needs the model."""
     for flag, given in (("--sweep", do_sweep), ("--cut", cut is not None), ("--prune-ratio", prune_ratio is not None)):
         if given:
-            raise ValueError(f"{flag} needs the model, and an engine folder holds one exported cut: "
+            raise ConfigError(f"{flag} needs the model, and an engine folder holds one exported cut: "
                              "give the model's name or path instead")
     names = list(dict.fromkeys([BASELINE, *(ENGINE_VARIANTS if variant_names is None else variant_names)]))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown variant(s) {', '.join(unknown)}: an engine folder runs {', '.join(ENGINE_VARIANTS)}")
+        raise ConfigError(f"unknown variant(s) {', '.join(unknown)}: an engine folder runs {', '.join(ENGINE_VARIANTS)}")
     ablations = [n for n in names if n not in ENGINE_VARIANTS]
     if ablations:
-        raise ValueError(f"variant(s) {', '.join(ablations)} need the model (an engine folder runs only "
+        raise ConfigError(f"variant(s) {', '.join(ablations)} need the model (an engine folder runs only "
                          f"{' and '.join(ENGINE_VARIANTS)}): give the model's name or path for the ablations")
     return names
 
@@ -157,7 +158,7 @@ def session_generate(session: Any, max_new_tokens: int) -> Callable[[str, list[i
 def _continuation_task(session: Any, tok: EvalTokenizer, names: list[str], limit: int | None, prefix_len: int,
                        cont_len: int, batch_size: int | None) -> dict:
     if prefix_len + cont_len - 1 > session.layout.max_seq:
-        raise ValueError(f"--prefix-len {prefix_len} + --cont-len {cont_len} do not fit the engine's max length "
+        raise ConfigError(f"--prefix-len {prefix_len} + --cont-len {cont_len} do not fit the engine's max length "
                          f"{session.layout.max_seq}: shorten them or re-export with a larger --max-seq")
     docs, skipped = eval_data.continuation_documents(tok, prefix_len, cont_len, limit)
     run = EngineRun(session)
@@ -217,5 +218,5 @@ def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
         t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_scores(
             complete, tok, problems, names, allow_code_exec=c.allow_code_exec, timeout=c.timeout,
             prompt_format=c.code_prompt)})
-    _write(results, out)
+    _write(results, out, c.force)
     return results

@@ -36,7 +36,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import eval_data, reference
-from .eval_config import DEFAULT_TASKS, TASKS, EvalConfig, parse_tasks  # noqa: F401 (re-exported)
+from .errors import ConfigError
+from .eval_config import DEFAULT_TASKS, TASKS, EvalConfig, check_output_folder, parse_tasks  # noqa: F401
+from .fsutil import atomic_path, atomic_write
 from .humaneval import humaneval_eval
 from .eval_report import format_table, plot_quality, plot_sweep, report  # noqa: F401 (re-exported)
 from .reference import Variant
@@ -81,7 +83,7 @@ def make_variants(names: Iterable[str], cut: int, num_layers: int,
     names = list(dict.fromkeys([BASELINE, *names]))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+        raise ConfigError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     context = VariantContext(cut, num_layers, kv_fit)
     return {name: VARIANTS[name](context) for name in names}
 
@@ -174,7 +176,7 @@ def continuation_eval(model, docs: list[eval_data.Document], variants: dict[str,
 def check_documents(docs: list[eval_data.Document], names: Iterable[str]) -> None:
     """ValueError unless the baseline is among ``names`` and the documents share one shape."""
     if BASELINE not in names:
-        raise ValueError(f"continuation_eval needs the {BASELINE!r} variant as its baseline")
+        raise ConfigError(f"continuation_eval needs the {BASELINE!r} variant as its baseline: add it to --variants")
     if not docs:
         raise ValueError("continuation_eval needs at least one document")
     lengths = {(len(d.prefix), len(d.continuation)) for d in docs}
@@ -310,17 +312,18 @@ def run_eval(model_name: str, out: Path, config: EvalConfig | None = None, **opt
     ``out/results.json`` and the plots; return the results. An engine folder as ``model_name`` runs
     ``eval_engine.run_engine_eval`` (onnxruntime, ``config.provider`` / ``config.threads``)."""
     config = config if config is not None else EvalConfig(**options)
+    check_output_folder(out, config.force)  # before any work: results.json is never replaced without force
     from .eval_engine import is_engine_folder, run_engine_eval
 
     if is_engine_folder(model_name):
         return run_engine_eval(model_name, out, config)
     if config.provider is not None or config.threads is not None:
-        raise ValueError("--provider and --threads are for an engine folder (onnxruntime); "
+        raise ConfigError("--provider and --threads are for an engine folder (onnxruntime); "
                          f"{model_name} runs through the eager reference")
     from .models import load_model
 
     results = _reference_eval(load_model(model_name), model_name, config)
-    _write(results, out)
+    _write(results, out, config.force)
     return results
 
 
@@ -364,10 +367,15 @@ def _reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     return results
 
 
-def _write(results: dict, out: Path) -> None:
+def _write(results: dict, out: Path, force: bool = False) -> None:
+    """results.json and the plots, each through a temporary file and one rename (never half-written)."""
+    out = Path(out)
+    check_output_folder(out, force)  # again: another run may have written there meanwhile
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    atomic_write(out / "results.json", json.dumps(results, indent=1))
     if results["tasks"]:
-        plot_quality(results, out / "quality.png")
+        with atomic_path(out / "quality.png") as tmp:
+            plot_quality(results, tmp)
     if "sweep" in results:
-        plot_sweep(results, out / "sweep.png")
+        with atomic_path(out / "sweep.png") as tmp:
+            plot_sweep(results, tmp)

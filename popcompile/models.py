@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .arch import ARCHITECTURES
-from .errors import ModelNotFoundError, UnsupportedModelError
+from .errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -41,6 +42,10 @@ _GGUF_MAGIC = b"GGUF"
 # A hub id is "name" or "owner/name"; anything else that does not exist is a bad path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SOURCE_RECORD = "popcompile_source.json"
+#: what from_pretrained reads as weights in a folder (sharded files come with an index)
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+#: what readers of a damaged config, weights or GGUF file raise (safetensors' own error is added at first use)
+_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, struct.error, EOFError, UnicodeDecodeError)
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ def resolve_source(name_or_path: str, *, cache_dir: str | os.PathLike | None = N
                 f"folder {str(path.resolve())!r} has no config.json; pass a Hugging Face model "
                 "folder (save_pretrained output) or a .gguf file"
             )
-        _check_supported(AutoConfig.from_pretrained(path), name_or_path)
+        _check_supported(_read_config(path), name_or_path)
         return ModelSource(name_or_path, "folder", str(path.resolve()), None)
     return _resolve_hub(name_or_path, path)
 
@@ -138,12 +143,43 @@ def load_model(
     folder = Path(source.path)
     if source.kind in ("shipped", "gguf"):
         folder = _ensure_converted(folder, source.sha256, cache)
-    # local_files_only: every kind is on disk by now and the hub must never be contacted.
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return LoadedModel(model.eval(), tokenizer, source)
+    return LoadedModel(_read_weights(folder, dtype).eval(), _read_tokenizer(folder), source)
+
+
+def _read_config(folder: Path, **kwargs) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(folder, **kwargs)
+    except _READ_ERRORS as err:
+        raise ModelError(f"{folder / 'config.json'} cannot be read ({_first_line(err)}): repair or re-download "
+                         "the model folder") from err
+
+
+def _read_weights(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
+    if not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        raise ModelError(f"model folder {folder} has no weights (model.safetensors or pytorch_model.bin): "
+                         "save the model with save_pretrained or re-download it")
+    from safetensors import SafetensorError
+
+    try:
+        # local_files_only: every kind is on disk by now and the hub must never be contacted.
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                    local_files_only=True)
+    except (*_READ_ERRORS, SafetensorError) as err:
+        raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): re-download or re-save "
+                         "the model") from err
+
+
+def _read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises bare Exception for a damaged file
+        raise ModelError(f"the tokenizer in {folder} (tokenizer.json / tokenizer_config.json) cannot be read "
+                         f"({_first_line(err)}): re-download or re-save the model") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _shipped_gguf(name: str, cache: Path) -> Path:
@@ -211,7 +247,7 @@ def _resolve_hub(name: str, path: Path) -> ModelSource:
             f"no network). Fix: download it where there is network "
             f"(huggingface-cli download {name}) or pass a local folder / .gguf path{_suggest(name)}"
         ) from err
-    _check_supported(AutoConfig.from_pretrained(folder, local_files_only=True), name)
+    _check_supported(_read_config(folder, local_files_only=True), name)
     return ModelSource(name, "hub", str(folder), None)
 
 
@@ -291,11 +327,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     logger.warning(
         "popcompile: converting %s to float32 safetensors (one time, up to ~1 min)", gguf.name
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    _check_supported(model.config, str(gguf))
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _check_supported(model.config, str(gguf))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except PopcompileError:
+        raise
+    except _READ_ERRORS as err:
+        raise ModelError(f"GGUF file {gguf} cannot be read ({_first_line(err)}): re-download it") from err
     _drop_gguf_quantization(model)
     model.save_pretrained(out)  # also writes generation_config.json for generative models
     tokenizer.save_pretrained(out)  # writes chat_template.jinja when the GGUF has one

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from . import eval_data
+from .errors import ConfigError
 from .reference import Variant
 
 SWEEP_VARIANTS = ("pop", "pop-kvfit")
@@ -31,9 +32,9 @@ def _sweep_variants(names: Iterable[str], cuts: list[int], layers: int,
     variants, keys = {"full": Variant(cut=layers)}, {}
     for name in names:
         if name not in SWEEP_VARIANTS:
-            raise ValueError(f"the sweep runs {', '.join(SWEEP_VARIANTS)}, not {name!r}")
+            raise ConfigError(f"the sweep runs {', '.join(SWEEP_VARIANTS)}, not {name!r}")
         if name == "pop-kvfit" and kv_fit is None:
-            raise ValueError("a pop-kvfit sweep needs kv_fit (cut -> POP+ weights)")
+            raise ConfigError("a pop-kvfit sweep needs kv_fit (cut -> POP+ weights)")
         for cut in cuts:
             refit = name == "pop-kvfit" and cut < layers - 1
             key = f"{name}@{cut}" if refit else f"pop@{cut}"
@@ -65,13 +66,13 @@ def auto_cut(rows: list[dict], min_agreement: float, variant: str | None = None)
     """The deepest-pruning (smallest) cut among ``rows`` (of ``variant``, if given) whose
     ``agreement >= min_agreement``."""
     if not 0.0 <= min_agreement <= 1.0:
-        raise ValueError(f"min_agreement={min_agreement} is out of range: use 0..1")
+        raise ConfigError(f"min_agreement={min_agreement} is out of range: use 0..1")
     rows = [r for r in rows if variant is None or r.get("variant", "pop") == variant]
     ok = [row["cut"] for row in rows if row["agreement"] >= min_agreement]
     if not ok:
         best = max(rows, key=lambda r: r["agreement"], default=None)
         found = f"best is {best['agreement']:.3f} at cut {best['cut']}" if best else "no rows"
-        raise ValueError(f"no cut reaches agreement {min_agreement} ({found}): lower --min-agreement")
+        raise ConfigError(f"no cut reaches agreement {min_agreement} ({found}): lower --min-agreement")
     return min(ok)
 
 
@@ -104,7 +105,7 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: bool = False
     from .reference import decoder_layers
 
     if not 0.0 <= min_agreement <= 1.0:
-        raise ValueError(f"min_agreement={min_agreement} is out of range: use 0..1")
+        raise ConfigError(f"min_agreement={min_agreement} is out of range: use 0..1")
     loaded = load_model(model) if isinstance(model, (str, Path)) else model
     layers = len(decoder_layers(loaded.model))
     docs, _ = eval_data.continuation_documents(loaded.tokenizer, prefix_len, cont_len, limit)

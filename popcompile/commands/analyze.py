@@ -8,7 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import CliError, add_corpus_options, quiet_libraries, user_sources
+from ..errors import OutputError
+from ..fsutil import check_destination
+from .common import add_corpus_options, precheck_model, quiet_libraries, user_sources
 
 CONFIG_OPTIONS = ("samples", "context_len", "gen_len", "batch_size", "budget")
 
@@ -50,10 +52,12 @@ def cmd_analyze(args) -> None:
 
     config = config_from_args(args)
     if args.out.exists() and not args.out.is_dir():
-        raise CliError(f"--out {args.out} is a file: give a folder")
+        raise OutputError(f"--out {args.out} is a file: give a folder")
     taken = [args.out / name for name in (REPORT_JSON, REPORT_PNG) if (args.out / name).exists()]
     if taken and not args.force:
-        raise CliError(f"{taken[0]} exists: choose another --out or pass --force")
+        raise OutputError(f"{taken[0]} exists: choose another --out or pass --force")
+    check_destination(args.out / REPORT_JSON)
+    precheck_model(args.model)
     sources = user_sources(args)
     quiet_libraries()
     loaded = load_model(args.model)

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, ModelError
 
 
 class CliError(ConfigError):
@@ -54,7 +55,21 @@ def check_range(flag: str, value: float | None, low: float, high: float = math.i
     inside = math.isfinite(value) and low <= value and (value < high if below_high else value <= high)
     if not inside:
         bound = "" if math.isinf(high) else f" and {'<' if below_high else '<='} {high:g}"
-        raise ConfigError(f"{flag} must be a finite number >= {low:g}{bound}, got {value}")
+        kind = "an integer" if isinstance(value, int) else "a finite number"
+        raise ConfigError(f"{flag} must be {kind} >= {low:g}{bound}, got {value}")
+
+
+def precheck_model(name: str) -> None:
+    """ModelError in a second (before torch loads) for a model folder whose config.json is damaged."""
+    path = Path(name).expanduser()
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        try:
+            ok = isinstance(json.loads(config.read_text(encoding="utf-8")), dict)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"{config} cannot be read ({err}): repair or re-download the model folder") from None
+        if not ok:
+            raise ModelError(f"{config} is not a JSON object: repair or re-download the model folder")
 
 
 def read_text(path: Path, what: str) -> str:

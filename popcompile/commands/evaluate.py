@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..eval_config import PROMPT_FORMATS
+from ..eval_config import PROMPT_FORMATS, check_output_folder
 from .common import add_cut_options, quiet_libraries
 
 
@@ -42,12 +42,13 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads for an engine folder "
                                                "(default: onnxruntime's, one per core)")
     p.add_argument("--out", required=True, type=Path, help="folder for results.json, quality.png, sweep.png")
+    p.add_argument("--force", action="store_true", help="replace results.json and the plots in --out")
     p.add_argument("--json", action="store_true", help="print results.json instead of the tables")
     p.set_defaults(handler=cmd_eval)
 
 
 def config_from_args(args):
-    """The EvalConfig of the parsed flags (validated there: bad values are one-line ValueErrors)."""
+    """The EvalConfig of the parsed flags (validated there: bad values are one-line ConfigErrors)."""
     from ..eval_config import EvalConfig, parse_tasks
 
     variants = args.variants and tuple(v.strip() for v in args.variants.split(",") if v.strip())
@@ -56,11 +57,12 @@ def config_from_args(args):
         prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
         gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size, sweep=args.sweep,
         min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec, timeout=args.timeout,
-        code_prompt=args.code_prompt, provider=args.provider, threads=args.threads)
+        code_prompt=args.code_prompt, provider=args.provider, threads=args.threads, force=args.force)
 
 
 def cmd_eval(args) -> None:
     config = config_from_args(args)  # before torch is imported: bad options fail in a second
+    check_output_folder(args.out, config.force)
     from ..evaluate import report, run_eval
 
     quiet_libraries()
@@ -68,3 +70,4 @@ def cmd_eval(args) -> None:
     print(json.dumps(results, indent=1) if args.json else report(results))
     if not args.json:
         print(f"\nwrote {args.out / 'results.json'}", file=sys.stderr)
+

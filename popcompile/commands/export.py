@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 from ..exporters.manifest import BOUNDARIES, EngineManifest
+from ..fsutil import destination_lock
 from . import build_trt
-from .common import CliError, add_cut_options, quiet_libraries
+from .common import CliError, add_cut_options, check_range, precheck_model, quiet_libraries
 from .info import summary
 
 
@@ -31,7 +32,8 @@ def register(sub) -> None:
                         "none (the paper's POP), or a file from `popcompile calibrate`")
     p.add_argument("--target", choices=["onnx", "tensorrt"], default="onnx",
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists (only once the new one is complete)")
+    p.add_argument("--force", action="store_true", help="replace --out if it is an engine folder (only once the new "
+                                                        "one is complete; any other folder is refused)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to run)")
@@ -44,16 +46,25 @@ def register(sub) -> None:
 
 
 def cmd_export(args) -> None:
+    from ..exporters.checks import check_options, check_output_folder
+
     _check_cut_options(args)
-    if args.target == "tensorrt":
-        build_trt.export_tensorrt(args, lambda: _export_onnx(args))  # fails before the export without a GPU
-        manifest = EngineManifest.read(args.out)
-    else:
-        manifest = _export_onnx(args)
+    check_options(dtype=args.dtype, boundary=args.boundary, max_seq=args.max_seq,
+                  cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio)
+    check_output_folder(args.out, args.force)
+    precheck_model(args.model)
+    with destination_lock(args.out):  # held through a TensorRT build too; a second export fails here, at once
+        if args.target == "tensorrt":
+            build_trt.export_tensorrt(args, lambda: _export_onnx(args))  # fails before the export without a GPU
+            manifest = EngineManifest.read(args.out)
+        else:
+            manifest = _export_onnx(args)
     print(manifest.to_json() if args.json else summary(args.out, manifest))
 
 
 def _check_cut_options(args) -> None:
+    check_range("--min-agreement", args.min_agreement, 0.0, 1.0)
+    check_range("--budget", args.budget, 0.0, 1.0, below_high=True)
     if args.cut != "auto" and (args.min_agreement is not None or args.budget is not None):
         raise CliError("--min-agreement and --budget choose the cut: use them with --cut auto")
     if args.min_agreement is not None and args.budget is not None:

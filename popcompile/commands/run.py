@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from . import build_trt
-from .common import read_text
+from .common import check_range, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 
@@ -68,6 +68,8 @@ def _describe(choice) -> str:
 def cmd_run(args) -> None:
     from ..runtime.defaults import resolve_sampling
 
+    check_range("--threads", args.threads, 1)  # before the engine loads
+    check_range("--max-new-tokens", args.max_new_tokens, 1)
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file, "--prompt-file")
     options = _sampling_options(args)
     session = build_trt.open_session(args)

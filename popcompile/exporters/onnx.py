@@ -6,8 +6,11 @@
       weights.bin               each distinct tensor once: the graphs share it
       tokenizer.json, tokenizer_config.json, generation_config.json, config.json (the HF config)
 
-The folder is written next to its destination under a temporary name and renamed into place only
-when complete, so a failed export leaves nothing behind and never replaces a good folder.
+The folder is written next to its destination as ``.NAME.PID.partial`` and renamed into place only
+when complete, so a failed export leaves nothing behind and never replaces a good folder. ``force``
+replaces only a popcompile engine folder (its manifest readable), in one atomic exchange, once the new
+one is complete; ``.NAME.lock`` (fsutil.destination_lock) makes a second export to the same folder fail
+at once. Options, the destination and a calibration file are checked before the model loads.
 """
 from __future__ import annotations
 
@@ -17,28 +20,27 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import io
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import onnx
 import torch
 
-from ..calibrate import KVFit, check_fit, default_batches, fit_kv, load_fit
+from ..calibrate import KVFit, check_fit, check_fit_shapes, default_batches, fit_kv, load_fit
+from ..errors import ConfigError
+from ..fsutil import destination_lock, staged_folder
 from ..models import LoadedModel, load_model
 from ..passes.pop import KVWeights, resolve_cut
 from ..pipeline import GraphPair, build_graphs
-from .manifest import EngineError, EngineManifest, GraphEntry, sha256_file
+from .checks import DTYPES, check_options, check_output_folder
+from .manifest import EngineManifest, GraphEntry, sha256_file
 
 OPSET = 20
 WEIGHTS = "weights.bin"
 _ALIGN = 64
 # Small constants (shapes, axes) stay inside the graph: shape inference and parsers read them there.
 _INLINE_BYTES = 1024
-#: engine precisions: the graphs' weights, activations, KV inputs/outputs and logits all take this dtype
-DTYPES = ("float32", "float16")
 
 
 def export(
@@ -59,35 +61,52 @@ def export(
     prefill graph takes x_1..x_N and returns x_N's logits, one call to the first token) or "separate"
     (x_1..x_{N-1}; the decode graph runs x_N), recorded in the manifest (docs/kv.md).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    _check_destination(out_dir, force)
-    step = progress or (lambda name: None)
-    step("load")
-    owned = not isinstance(model, LoadedModel)
-    loaded = load_model(model) if owned else model
-    step("capture + POP pass")
-    cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
-    fit = kv_fit(loaded, cut, kv_calibration)
-    network = cast_model(loaded.model, dtype, in_place=owned)
-    kv_weights = fit and cast_weights(fit.weights, dtype)
-    pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights, boundary=boundary)
-    with _staging(out_dir, force) as tmp:
-        step("export decode graph")
-        decode = to_onnx(pair.decode, pair, with_logits=True)
-        step("export prefill graph")
-        prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
-        step("write engine folder")
-        weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
-        for name in ("decode.onnx", "prefill.onnx"):
-            onnx.checker.check_model(str(tmp / name))
-        loaded.tokenizer.save_pretrained(tmp)
-        loaded.model.generation_config.save_pretrained(tmp)
-        loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
-        manifest = _manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice)
-        manifest.write(tmp)
+    check_options(dtype=dtype, boundary=boundary, max_seq=max_seq, cut=cut, prune_ratio=prune_ratio)
+    check_output_folder(out_dir, force)
+    fit_file = _fit_file(kv_calibration)  # a bad file fails now, not after the model loads
+    with destination_lock(out_dir):
+        check_output_folder(out_dir, force)  # again: another export may have finished while we waited
+        step = progress or (lambda name: None)
+        step("load")
+        owned = not isinstance(model, LoadedModel)
+        loaded = load_model(model) if owned else model
+        step("capture + POP pass")
+        _check_max_seq(loaded, max_seq)
+        cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
+        fit = kv_fit(loaded, cut, fit_file if fit_file is not None else kv_calibration)
+        network = cast_model(loaded.model, dtype, in_place=owned)
+        kv_weights = fit and cast_weights(fit.weights, dtype)
+        pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights, boundary=boundary)
+        with staged_folder(out_dir, replace=force) as tmp:
+            manifest = _write_folder(tmp, loaded, pair, fit, cut_choice, step)
+            check_output_folder(out_dir, force)  # nothing but an engine folder is ever swapped out
     return manifest
+
+
+def _write_folder(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
+                  step: Callable[[str], None]) -> EngineManifest:
+    step("export decode graph")
+    decode = to_onnx(pair.decode, pair, with_logits=True)
+    step("export prefill graph")
+    prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
+    step("write engine folder")
+    weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
+    for name in ("decode.onnx", "prefill.onnx"):
+        onnx.checker.check_model(str(tmp / name))
+    loaded.tokenizer.save_pretrained(tmp)
+    loaded.model.generation_config.save_pretrained(tmp)
+    loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
+    manifest = _manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice)
+    manifest.write(tmp)
+    return manifest
+
+
+def _check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if max_seq is not None and isinstance(limit, int) and max_seq > limit:
+        raise ConfigError(f"--max-seq {max_seq} exceeds the model's max_position_embeddings={limit}: "
+                          f"give at most {limit}")
 
 
 def cast_model(model: torch.nn.Module, dtype: str, *, in_place: bool) -> torch.nn.Module:
@@ -182,18 +201,26 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def kv_fit(loaded: LoadedModel, cut: int, kv_calibration: str | Path | None) -> KVFit | None:
+def kv_fit(loaded: LoadedModel, cut: int, kv_calibration: str | Path | KVFit | None) -> KVFit | None:
     """None/"none": plain POP (the paper's); "auto" (export's default, docs/results.md says why): fit POP+
-    on the built-in corpus now; else a file from `popcompile calibrate`."""
+    on the built-in corpus now; else a file from `popcompile calibrate` (or its loaded KVFit)."""
     layers = loaded.model.config.num_hidden_layers
     if kv_calibration in (None, "none") or cut == layers:
         return None
     if kv_calibration == "auto":
         with torch.no_grad():
             return fit_kv(loaded.model, default_batches(loaded.tokenizer), cut)
-    fit = load_fit(kv_calibration)
+    fit = kv_calibration if isinstance(kv_calibration, KVFit) else load_fit(kv_calibration)
     check_fit(fit, cut, layers)
+    check_fit_shapes(fit, loaded.model)
     return fit
+
+
+def _fit_file(kv_calibration: str | Path | KVFit | None) -> KVFit | None:
+    """The calibration file's fit, loaded and checked for finite values (None for auto/none)."""
+    if kv_calibration in (None, "none", "auto") or isinstance(kv_calibration, KVFit):
+        return None
+    return load_fit(kv_calibration)
 
 
 def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,
@@ -223,30 +250,3 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
 def _versions() -> dict[str, str]:
     names = ("popcompile", "torch", "transformers", "onnx", "onnxscript")
     return {name: importlib.metadata.version(name) for name in names}
-
-
-def _check_destination(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not force:
-        raise EngineError(f"{out_dir} already exists: choose another --out or pass --force to replace it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise EngineError(f"{out_dir} exists and is not a folder: choose another --out")
-
-
-@contextlib.contextmanager
-def _staging(out_dir: Path, force: bool) -> Iterator[Path]:
-    """A temporary sibling folder, renamed to ``out_dir`` only if the body completes."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; an engine folder is meant to be shared
-    try:
-        yield tmp
-        if out_dir.exists() and force:
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from ..errors import ConfigError
+from ..fsutil import atomic_write, destination_lock
 from ..kv import KVLayout
 from .manifest import MANIFEST, EngineError, EngineManifest
 
@@ -70,20 +72,20 @@ class TrtBuildConfig:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.workspace_gb, (int, float)) or not (0 < self.workspace_gb < 1024
                                                                      and math.isfinite(self.workspace_gb)):
-            raise ValueError(f"workspace_gb must be a number of GiB in (0, 1024), got {self.workspace_gb!r}")
+            raise ConfigError(f"workspace_gb must be a number of GiB in (0, 1024), got {self.workspace_gb!r}")
         for name in ("opt_seq", "opt_batch", "max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.opt_batch > self.max_batch:
-            raise ValueError(f"opt_batch={self.opt_batch} exceeds max_batch={self.max_batch}: raise --max-batch")
+            raise ConfigError(f"opt_batch={self.opt_batch} exceeds max_batch={self.max_batch}: raise --max-batch")
         if self.optimization_level not in range(6):
-            raise ValueError(f"optimization_level must be 0..5, got {self.optimization_level!r}")
+            raise ConfigError(f"optimization_level must be 0..5, got {self.optimization_level!r}")
         if not isinstance(self.timing_cache, str) or not self.timing_cache:
-            raise ValueError(f"timing_cache must be a file name or path, got {self.timing_cache!r}")
+            raise ConfigError(f"timing_cache must be a file name or path, got {self.timing_cache!r}")
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,12 @@ def build_engines(folder: str | Path, config: TrtBuildConfig | None = None, *,
     from .tensorrt_compat import require_gpu
 
     config = config or TrtBuildConfig()
-    step = progress or (lambda name: None)
     folder = Path(folder)
+    with destination_lock(folder, "engine folder"):  # no export --force may swap the folder out meanwhile
+        return _build_engines(folder, config, progress or (lambda name: None), force)
+
+
+def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], None], force: bool) -> TrtSection:
     step("check graphs")
     manifest = EngineManifest.read(folder)
     onnx_sha = _check_graphs(folder, manifest)
@@ -397,9 +403,7 @@ def write_manifest(folder: Path, manifest: EngineManifest) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write(path, data)  # a per-process temp name, fsynced, removed if interrupted
 
 
 def _sha256(path: Path) -> str:
