@@ -135,7 +135,7 @@ class EngineManifest:
     cut: int
     kv_layout: KVLayout
     graphs: dict               # "prefill" | "decode" -> GraphEntry
-    weights: dict              # file, bytes
+    weights: dict              # file, bytes, sha256 (absent in manifests written before weights were hashed)
     dtype: str
     versions: dict
     eos_token_ids: tuple[int, ...] = ()
