@@ -58,7 +58,7 @@ class EvalConfig:
                  "--batch-size": self.batch_size, "--threads": self.threads, "--cut": self.cut}
         for flag, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{flag} must be >= 1, got {value!r} (a whole number)")
         if self.prune_ratio is not None and not (math.isfinite(self.prune_ratio) and 0.0 <= self.prune_ratio < 1.0):
             raise ConfigError(f"--prune-ratio must be within 0 <= ratio < 1, got {self.prune_ratio}")
         if not (math.isfinite(self.min_agreement) and 0.0 <= self.min_agreement <= 1.0):
