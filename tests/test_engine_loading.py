@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from popcompile.errors import ConfigError, EngineError, InputError
+from popcompile.errors import ConfigError, EngineError, InputError, PopcompileError
 from popcompile.exporters.manifest import MANIFEST, EngineManifest
 from popcompile.exporters.tensorrt import TrtSection
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
-from popcompile.runtime.trt import verify_plans
+from popcompile.runtime.trt import TrtSession, verify_plans
 from popcompile.runtime.verify import HashCache, UnverifiedWeightsWarning
 from tiny_engine import tiny_engine
 
@@ -397,6 +397,25 @@ def test_tensorrt_plans_are_verified_and_stay_inside_the_folder(folder, tmp_path
         verify_plans(folder, trt_section({"prefill": good, "decode": {"file": "decode.plan", **entry}}), cache)
 
 
+def good_section() -> dict:
+    digest = {"file": "prefill.plan", "bytes": 1, "sha256": "0" * 64}
+    profile = {"name": "prefill", "shapes": {"input_ids": {"min": [1, 1], "opt": [1, 8], "max": [1, 64]}}}
+    return {**trt_section({"prefill": digest, "decode": {**digest, "file": "decode.plan"}}).__dict__,
+            "profiles": {"prefill": [profile], "decode": [{**profile, "name": "step"}]}}
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("plans", ["prefill", "decode"], "tensorrt.plans="), ("max_batch", "1", "tensorrt.max_batch='1'"),
+    ("sentinel_rows", 0, "tensorrt.sentinel_rows=0"), ("profiles", {"prefill": [{}], "decode": []}, "profiles"),
+    ("profiles", {"prefill": 5, "decode": []}, "tensorrt.profiles="), ("workspace_gb", float("nan"), "workspace_gb"),
+])
+def test_malformed_tensorrt_sections(folder, key, value, words):
+    edit(folder, put("tensorrt", {**good_section(), key: value}))
+    with pytest.raises(EngineError) as error:
+        TrtSession(folder, hash_cache=HashCache(None))
+    assert words in str(error.value) and "build-trt" in str(error.value)
+
+
 # ------------------------------------------------------------------------------------------- the session
 
 def test_good_engine_loads_and_checks_token_ids(engine, cache):
@@ -451,6 +470,19 @@ def test_fuzz_any_value_in_any_key(folder, cache, key, value, delete):
     try:
         edit(folder, drop(key) if delete else put(key, value))
         _loads_or_engine_error(folder, cache)
+    finally:
+        (folder / MANIFEST).write_text(original)
+
+
+@_FUZZ
+@given(key=st.sampled_from(sorted(good_section())), value=_JSON)
+def test_fuzz_tensorrt_section(folder, key, value):
+    """No GPU here: a fuzzed section ends in EngineError, or EnvironmentUnavailable once it looks runnable."""
+    original = (folder / MANIFEST).read_text()
+    try:
+        edit(folder, put("tensorrt", {**good_section(), key: value}))
+        with pytest.raises(PopcompileError):
+            TrtSession(folder, hash_cache=HashCache(None))
     finally:
         (folder / MANIFEST).write_text(original)
 

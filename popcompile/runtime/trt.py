@@ -29,6 +29,7 @@ only when a session is made.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -145,6 +146,7 @@ class TrtSession:
         manifest = EngineManifest.read(folder)
         folder = Path(folder)
         section = TrtSection.from_manifest(manifest, folder)
+        check_section(folder, section)
         plans = verify_plans(folder, section, hash_cache or HashCache.default())
         trt = import_tensorrt(section)
         cuda = CudaDevice(device)
@@ -331,6 +333,38 @@ def _check(ok: bool, name: str, what) -> None:
 
 
 # --------------------------------------------------------------------------------------------- loading
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: TrtSection field -> (test, what the value must be), for the fields the runtime reads
+_SECTION_FIELDS = {
+    "tensorrt_version": (lambda v: isinstance(v, str), "a string"),
+    "gpu": (lambda v: isinstance(v, str), "a string"),
+    "compute_capability": (lambda v: isinstance(v, str), "a string"),
+    "workspace_gb": (_is_real, "a number"),
+    "max_batch": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
+    "sentinel_rows": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
+    "plans": (lambda v: isinstance(v, dict), "an object of prefill and decode plans"),
+    "profiles": (lambda v: isinstance(v, dict) and all(isinstance(p, list) for p in v.values()),
+                 "an object of prefill and decode profile lists"),
+}
+
+
+def check_section(folder: Path, section: TrtSection) -> None:
+    """EngineError unless the manifest's tensorrt section has the types the runtime reads (profiles parse)."""
+    fix = f"rebuild the plans with `popcompile build-trt {folder} --force`"
+    for name, (test, what) in _SECTION_FIELDS.items():
+        value = getattr(section, name)
+        if not test(value):
+            raise EngineError(f"{folder}: the manifest's tensorrt.{name}={value!r:.60} must be {what}: {fix}")
+    try:
+        for engine in PLANS:
+            section.profile_list(engine)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise EngineError(f"{folder}: the manifest's tensorrt.profiles do not parse ({err!r:.80}): {fix}") from None
+
 
 def verify_plans(folder: Path, section: TrtSection, cache: HashCache) -> dict[str, Path]:
     """Both plans inside the folder with the sizes and hashes the manifest recorded; their resolved paths."""
