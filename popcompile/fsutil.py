@@ -28,6 +28,8 @@ from .errors import OutputError
 
 _RENAME_EXCHANGE = 2  # linux/fs.h: swap two existing paths in one step
 _AT_FDCWD = -100
+#: write failures the user can fix (space, quota, permissions, a read-only disk): OutputError, not a traceback
+_USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> None:
@@ -42,12 +44,25 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
-        yield tmp
-        with open(tmp, "rb+") as handle:  # on disk before the rename makes it visible
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        with user_write_errors(path):
+            yield tmp
+            with open(tmp, "rb+") as handle:  # on disk before the rename makes it visible
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def user_write_errors(path: Path) -> Iterator[None]:
+    """A full disk, a quota or a permission while writing ``path``: OutputError naming it (other OSErrors are bugs)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _USER_ERRNOS:
+            raise
+        raise OutputError(f"cannot write {path}: {err.strerror} ({err.filename or path}): free space or choose "
+                          "another destination; nothing was replaced") from err
 
 
 def check_destination(path: str | Path, flag: str = "--out") -> None:
@@ -120,10 +135,11 @@ def staged_folder(path: str | Path, *, replace: bool = False) -> Iterator[Path]:
     remove_stale(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     shutil.rmtree(tmp, ignore_errors=True)  # ours from an earlier call in this process
-    tmp.mkdir(mode=0o755)
     try:
-        yield tmp
-        _swap_in(tmp, path, replace)
+        with user_write_errors(path):
+            tmp.mkdir(mode=0o755)
+            yield tmp
+            _swap_in(tmp, path, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after a failure: the partial; after a swap: the old folder
 

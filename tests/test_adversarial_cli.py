@@ -6,6 +6,7 @@ Models are tiny random decoders saved as Hugging Face folders (tests/tiny.py): l
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -440,6 +441,10 @@ def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
     with pytest.raises(RuntimeError), fsutil.atomic_path(target) as tmp:
         tmp.write_text("half")
         raise RuntimeError("killed")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    with pytest.raises(OutputError, match="No space left on device"), fsutil.atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))  # what a full disk raises
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
