@@ -27,9 +27,17 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .errors import ConfigError
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
 from .passes.layers import find_layers, module_path
 from .passes.pop import resolve_cut
+from .passes.static_seq import symbolize_sequence
+
+
+#: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it).
+#: 0: POP for every prompt. A measured default (issue 20: the shortest length where POP pays) replaces it.
+MIN_PROMPT_TOKENS = 0
+_OPTION_NAMES = ("prune_ratio", "cut", "inner", "kv_calibration", "min_prompt_tokens")
 
 
 class PopFallbackWarning(UserWarning):
@@ -44,16 +52,21 @@ class PopOptions:
     cut: int | None = None
     inner: str | Callable = "inductor"
     kv_calibration: str | Path | None = None  # POP+: a file from `popcompile calibrate` (same cut)
+    min_prompt_tokens: int = MIN_PROMPT_TOKENS  # shorter prompts run the full graph (chosen per call)
 
     def __post_init__(self) -> None:
         if self.cut is not None and self.prune_ratio is not None:
-            raise ValueError("pop backend: give options 'cut' or 'prune_ratio', not both")
+            raise ConfigError("pop backend: give options 'cut' or 'prune_ratio', not both")
         if self.prune_ratio is not None and not 0.0 <= self.prune_ratio < 1.0:
-            raise ValueError(f"pop backend: prune_ratio={self.prune_ratio} is out of range: use 0 <= prune_ratio < 1")
+            raise ConfigError(f"pop backend: prune_ratio={self.prune_ratio} is out of range: use 0 <= prune_ratio < 1")
         if self.cut is not None and (isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1):
-            raise ValueError(f"pop backend: cut={self.cut!r} must be a layer index >= 1")
+            raise ConfigError(f"pop backend: cut={self.cut!r} must be a layer index >= 1")
+        if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \
+                or self.min_prompt_tokens < 0:
+            raise ConfigError(f"pop backend: min_prompt_tokens={self.min_prompt_tokens!r} must be an int >= 0 "
+                              "(0: POP for every prompt)")
         if self.kv_calibration is not None and not Path(self.kv_calibration).is_file():
-            raise ValueError(f"pop backend: kv_calibration={self.kv_calibration!s} is not a file: "
+            raise ConfigError(f"pop backend: kv_calibration={self.kv_calibration!s} is not a file: "
                              f"make one with `popcompile calibrate MODEL --out FILE`")
         if not (callable(self.inner) or isinstance(self.inner, str)):
             raise TypeError(f"pop backend: inner={self.inner!r} must be a backend name ('inductor', 'eager') or callable")
@@ -61,9 +74,9 @@ class PopOptions:
     @classmethod
     def from_dict(cls, options: Mapping | None) -> PopOptions:
         options = dict(options or {})
-        unknown = sorted(set(options) - {"prune_ratio", "cut", "inner", "kv_calibration"})
+        unknown = sorted(set(options) - set(_OPTION_NAMES))
         if unknown:
-            raise ValueError(f"pop backend: unknown options {unknown}: use prune_ratio, cut, inner, kv_calibration")
+            raise ConfigError(f"pop backend: unknown options {unknown}: use {', '.join(_OPTION_NAMES)}")
         return cls(**options)
 
     def resolve_cut(self, num_layers: int) -> int:
@@ -74,12 +87,13 @@ class PopOptions:
 class GraphRecord:
     """What the backend did with one graph dynamo gave it."""
 
-    kind: str  # "prefill-pop" | "decode" | "fallback"
+    kind: str  # "prefill-pop" | "prefill-full" (static N < min_prompt_tokens) | "decode" | "fallback"
     nodes_before: int
     nodes_after: int
     cut: int | None = None
     num_layers: int | None = None
     reason: str = ""
+    static_len: int | None = None  # prefill traced at one static length N (dynamo's first call without dynamic=)
 
 
 @dataclass(eq=False)  # hashed by identity: dynamo keys its caches by backend
@@ -102,18 +116,22 @@ class PopBackend:
         if plan is None:
             self.records.append(GraphRecord(kind, before, before, reason=reason))
             return _inner(opts.inner)(gm, example_inputs)
-        cut, num_layers, logits_rows = plan
+        cut, num_layers, logits_rows, seq, static_len = plan
+        if static_len is not None and static_len < opts.min_prompt_tokens:  # this graph only ever sees N
+            reason = f"prompt length {static_len} < min_prompt_tokens={opts.min_prompt_tokens}"
+            self.records.append(GraphRecord("prefill-full", before, before, cut, num_layers, reason, static_len))
+            return _inner(opts.inner)(gm, example_inputs)
         pruned = fx.GraphModule(gm, _copy_graph(gm.graph))  # the pass rewrites a copy: gm stays whole
         try:
-            fold_boundary_pass(pruned, cut, _kv_weights(opts, cut, num_layers))
+            _fold(pruned, cut, _kv_weights(opts, cut, num_layers), static_len)
         except UnsupportedGraph as err:
             self._warn(str(err))
             self.records.append(GraphRecord("fallback", before, before, reason=str(err)))
             return _inner(opts.inner)(gm, example_inputs)
-        self.records.append(GraphRecord(kind, before, len(pruned.graph.nodes), cut, num_layers))
+        self.records.append(GraphRecord(kind, before, len(pruned.graph.nodes), cut, num_layers,
+                                        static_len=static_len))
         pop_fn = _inner(opts.inner)(pruned, example_inputs)
-        return _Guarded(pop_fn, lambda: _inner(opts.inner)(gm, example_inputs), logits_rows, gm,
-                        on_full=lambda: self._warn(_ALL_ROWS))
+        return _Guarded(pop_fn, lambda: _inner(opts.inner)(gm, example_inputs), self._chooser(gm, logits_rows, seq, opts))
 
     def _plan(self, gm: fx.GraphModule, opts: PopOptions):
         layers = find_layers(gm.graph)
@@ -122,16 +140,26 @@ class PopBackend:
         hidden = layers[0].input.meta.get("example_value")
         if hidden is None or hidden.dim() != 3:
             return "fallback", "the first layer's input has no [batch, seq, hidden] shape", None
-        if _is_one(hidden.shape[1]):
+        seq = hidden.shape[1]
+        if _is_one(seq):
             return "decode", "", None
-        if not isinstance(hidden.shape[1], torch.SymInt):
-            return "fallback", ("the sequence length is static: compile with torch.compile(..., dynamic=True) "
-                                "for POP from the first prompt"), None
         logits = _logits_node(gm.graph)
         if logits is None:
             return "fallback", "no LM head output in the graph (a graph break inside the model?)", None
         cut = opts.resolve_cut(len(layers))
-        return "prefill-pop", "", (cut, len(layers), logits.meta["example_value"].shape[1])
+        static_len = None if isinstance(seq, torch.SymInt) else int(seq)
+        return "prefill-pop", "", (cut, len(layers), logits.meta["example_value"].shape[1], seq, static_len)
+
+    def _chooser(self, gm: fx.GraphModule, logits_rows, seq, opts: PopOptions) -> Callable[[tuple], bool]:
+        """args -> run POP? Full graph for all-position logits (with a warning) and for short prompts."""
+        sizes = _SizeReader(gm)
+
+        def use_pop(args) -> bool:
+            if sizes.value(logits_rows, args) != 1:
+                self._warn(_ALL_ROWS)
+                return False
+            return sizes.value(seq, args) >= opts.min_prompt_tokens
+        return use_pop
 
     def _warn(self, reason: str) -> None:
         if reason not in self._warned:
@@ -144,30 +172,54 @@ _ALL_ROWS = ("the call asks for logits at more than the last position; POP compu
 
 
 class _Guarded:
-    """Runs the POP graph when the call keeps one logits row (as ``generate`` asks), else the full graph."""
+    """Per call: the POP graph when ``use_pop(args)`` (one logits row, as ``generate`` asks, and a prompt of
+    at least ``min_prompt_tokens``), else the full graph, compiled at its first use."""
 
-    def __init__(self, pop_fn, make_full, logits_rows, gm: fx.GraphModule, on_full: Callable[[], None]):
-        self.pop_fn, self.make_full, self.full_fn, self.on_full = pop_fn, make_full, None, on_full
-        self.rows = logits_rows
-        # symbol of each SymInt placeholder -> its position among the inputs
-        self.symbols = {node.meta["example_value"].node.expr: i
-                        for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
-                        if isinstance(node.meta.get("example_value"), torch.SymInt)}
+    def __init__(self, pop_fn, make_full, use_pop: Callable[[tuple], bool]):
+        self.pop_fn, self.make_full, self.full_fn, self.use_pop = pop_fn, make_full, None, use_pop
 
     def __call__(self, *args):
-        if self._one_row(args):
+        if self.use_pop(args):
             return self.pop_fn(*args)
         if self.full_fn is None:
-            self.on_full()
             self.full_fn = self.make_full()
         return self.full_fn(*args)
 
-    def _one_row(self, args) -> bool:
-        if not isinstance(self.rows, torch.SymInt):
-            return self.rows == 1
-        expr = self.rows.node.expr
-        values = {sym: int(args[i]) for sym, i in self.symbols.items() if sym in expr.free_symbols}
-        return bool(sympy.Eq(expr.subs(values), 1))
+
+class _SizeReader:
+    """Evaluates a graph's size expressions (e.g. the sequence length s0) from the call's inputs."""
+
+    def __init__(self, gm: fx.GraphModule):
+        # symbol -> how to read it: a SymInt input, or a tensor input's dim of exactly that size
+        self.readers: dict = {}
+        for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.SymInt):
+                self.readers.setdefault(value.node.expr, lambda args, i=i: int(args[i]))
+            elif isinstance(value, torch.Tensor):
+                for d, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                        self.readers.setdefault(size.node.expr, lambda args, i=i, d=d: int(args[i].shape[d]))
+
+    def value(self, size, args) -> int:
+        if not isinstance(size, torch.SymInt):
+            return int(size)
+        expr = size.node.expr
+        missing = expr.free_symbols - set(self.readers)
+        assert not missing, f"size {expr} has symbols {missing} that no graph input carries"
+        return int(expr.subs({sym: self.readers[sym](args) for sym in expr.free_symbols}))
+
+
+def _fold(gm: fx.GraphModule, cut: int, kv_weights, static_len: int | None) -> None:
+    """The POP rewrite; a static-length graph first gets its sequence length as a symbol (static_seq.py)."""
+    if static_len is None:
+        fold_boundary_pass(gm, cut, kv_weights)
+        return
+    symbolized = symbolize_sequence(gm, static_len)
+    try:
+        fold_boundary_pass(gm, cut, kv_weights)
+    finally:
+        symbolized.restore_meta()
 
 
 def _kv_weights(opts: PopOptions, cut: int, num_layers: int):

@@ -12,6 +12,7 @@ from tiny import tiny_model
 from popcompile import reference
 from popcompile.arch import ARCHITECTURES
 from popcompile.dynamo import PopBackend, PopFallbackWarning, PopOptions
+from popcompile.errors import ConfigError
 from popcompile.passes.layers import layer_part
 
 TOL = 1e-5  # fp32, same kernels, different op order (last-position copies)
@@ -172,13 +173,15 @@ def test_non_decoder_module_falls_back_and_warns_once():
     assert len(ours) == 1 and "no decoder layers" in str(ours[0].message)
 
 
-def test_static_sequence_length_runs_unpruned_with_a_warning_naming_the_fix():
+def test_static_sequence_length_is_pruned_too():
+    """dynamic=False: every prompt length is its own static graph, and each is pruned (test_dynamo_calls.py
+    covers the default, dynamic unset)."""
     model, ids = tiny_model("llama", layers=6), prompt()
-    with pytest.warns(PopFallbackWarning, match="dynamic=True"):
-        tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=3, inner="eager")),
-                                           dynamic=False, cache_implementation="static")
-    full = reference_logits(model, ids, reference.Variant(6), tokens)
-    assert (logits[0] - full[0]).abs().max() < TOL
+    backend = PopBackend(PopOptions(cut=3, inner="eager"))
+    tokens, logits = compiled_generate(model, ids, backend, dynamic=False, cache_implementation="static")
+    expected = reference_logits(model, ids, reference.Variant(3), tokens)
+    assert max((g - w).abs().max() for g, w in zip(logits, expected)) < TOL
+    assert [(r.kind, r.static_len) for r in backend.records][0] == ("prefill-pop", PROMPT_LEN)
 
 
 def test_all_position_logits_run_the_full_graph():
@@ -192,7 +195,7 @@ def test_all_position_logits_run_the_full_graph():
 
 
 def test_options_are_validated():
-    with pytest.raises(ValueError, match="unknown options"):
+    with pytest.raises(ConfigError, match="unknown options"):
         PopOptions.from_dict({"prune": 0.3})
     with pytest.raises(ValueError, match="not both"):
         PopOptions(cut=3, prune_ratio=0.25)
