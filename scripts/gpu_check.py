@@ -1,28 +1,30 @@
 #!/usr/bin/env python3
-"""GPU check: TensorRT engines against the CPU results, and TTFT full vs POP (run by scripts/gpu_check.sh).
+"""GPU check: POP vs full prefill on CUDA through PyTorch, bf16, on a Llama-3.1-8B-shaped model (gpu_check.sh runs it).
 
-Phases, in order, each time-boxed against ``--budget`` (a phase that does not fit is skipped and says so):
+Needs only torch (CUDA), transformers and this source tree on PYTHONPATH: no download, no venv, no
+TensorRT. Phases, in order, each time-boxed against ``--budget`` (one that does not fit is skipped and
+says so; the results file is rewritten after every phase, so a run cut short keeps what it measured):
 
-    environment        GPU (nvidia-smi), torch/CUDA, tensorrt, cuda-python, onnxruntime providers
-    export             SmolLM2-135M as an ONNX engine folder (out/gpu_check/smollm2-135m, max_seq 2112)
-    trt-build          prefill.plan + decode.plan (popcompile build-trt; --precision, default bf16)
-    trt-numerics       TrtSession vs PopSession on the CPU: first token, logits error, greedy agreement
-    trt-ttft           TTFT full vs POP at 512/1024/2048 tokens beside the FLOP bound; decode tok/s with and
-                       without a CUDA graph
-    ort-cuda           (no TensorRT) the ONNX graphs on onnxruntime's CUDA provider: numerics and TTFT
-    torch-smollm2      (no TensorRT) the PyTorch prefill/decode graphs on CUDA (bf16): numerics and TTFT
-    torch-llama8b-6l   Llama-3.1-8B layer geometry, 6 layers (cut 4: the same third pruned), random bf16
-                       weights, PyTorch graphs on CUDA: TTFT at batch 1 and 8
+    environment   GPU, torch/CUDA, triton, transformers, onnxruntime providers, tensorrt (imports or not)
+    matmul-peak   the measured bf16 GEMM peak (8192^3): the yardstick for achieved TFLOP/s
+    model         Llama-3.1-8B geometry (32 layers, 4096 hidden, 32/8 heads, 14336 FFN, 128256 vocab),
+                  random bf16 weights; cut 22 (1/3 of the layers pruned, the default)
+    graphs        (a) the captured decode graph (= full prefill) and the folded POP prefill graph
+                  (capture + passes/boundary.py), eager on CUDA: TTFT at 512/2048/8192 tokens, batch 1
+                  and 8, beside the FLOP bound (popcompile/cost.py) and achieved TFLOP/s; a decode step
+                  after each prefill (same graph, same cache layout: the ratio should be 1)
+    compile       (b) ``torch.compile(forward, backend=PopBackend(inner inductor), dynamic=True)`` against
+                  ``backend="inductor"``: compile seconds, then TTFT as above
+    tensorrt      only where ``tensorrt`` imports and ``--engine DIR`` is given (gpu_check_trt.py)
+    ort-cuda      only where onnxruntime has CUDAExecutionProvider and ``--engine DIR`` is given
 
-Results go to ``--out``.json and .md (default docs/gpu_results), rewritten after every phase, so a run
-cut short still leaves what it measured. ``--device cpu --quick`` is a dry run of the same code on a tiny
-random model (no GPU phases: they are skipped with the reason).
+``--dry-run``: the same phases on the CPU with a tiny geometry, float32 and inner "eager" (seconds).
+Results: ``--out``.md and .json (default docs/gpu_results), copied into $OUT when that is set.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import os
 import platform
@@ -32,14 +34,41 @@ import subprocess
 import sys
 import time
 import traceback
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this working tree's popcompile, installed or not
 
-TOKENS = (512, 1024, 2048)
-MAX_SEQ = 2112
-WORK = REPO / "out" / "gpu_check"
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 128256, "num_hidden_layers": 32, "rope_theta": 500000.0}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 97, "num_hidden_layers": 3, "rope_theta": 10000.0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: the GPU run or its CPU dry run."""
+
+    device: str
+    dtype: str
+    geometry: dict
+    tokens: tuple
+    batches: tuple
+    reps: int
+    inner: str
+    peak_size: int
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu") or self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"plan: device={self.device!r} dtype={self.dtype!r}")
+        if not self.tokens or min(self.tokens) < 2 or not self.batches or self.reps < 1:
+            raise ValueError(f"plan: tokens={self.tokens} batches={self.batches} reps={self.reps}")
+
+
+GPU_PLAN = Plan("cuda", "bfloat16", LLAMA_8B, (512, 2048, 8192), (1, 8), 3, "inductor", 8192)
+DRY_PLAN = Plan("cpu", "float32", TINY, (16, 32), (1, 2), 1, "eager", 256)
 
 
 class Skip(Exception):
@@ -60,7 +89,8 @@ class Report:
 def markdown(data: dict) -> str:
     meta = data["meta"]
     lines = ["# GPU check results", "", f"Written by `scripts/gpu_check.sh` on {meta.get('date')}; "
-             f"{meta.get('gpu', 'no GPU')}. Every speed figure stands beside the FLOP bound of the same cut.", ""]
+             f"{meta.get('gpu', 'no GPU')}; {meta.get('plan')}. Speed ratios stand beside the FLOP bound of "
+             "the same cut, achieved TFLOP/s beside the measured matmul peak.", ""]
     for name, phase in data["phases"].items():
         lines.append(f"## {name}: {phase['status']}" + (f" ({phase['seconds']:.0f} s)" if "seconds" in phase else ""))
         lines.append("")
@@ -118,337 +148,259 @@ def environment() -> dict:
         query = "name,driver_version,memory.total,compute_cap"
         out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True)
         info["gpus"] = out.stdout.strip().splitlines() or out.stderr.strip()
-    for module in ("torch", "tensorrt", "onnxruntime", "transformers", "cuda.bindings", "cuda"):
+    for module in ("torch", "triton", "transformers", "onnx", "onnxruntime", "tensorrt"):
         try:
-            mod = __import__(module, fromlist=["_"])
-            info[module] = getattr(mod, "__version__", "present")
+            info[module] = getattr(__import__(module), "__version__", "present")
         except Exception as err:  # noqa: BLE001 - absent or broken: both are facts to report
             info[module] = f"absent ({type(err).__name__})"
     with contextlib.suppress(Exception):
         import torch
-        info["torch.cuda"] = torch.cuda.is_available() and torch.cuda.get_device_name(0)
+        info["torch.cuda"] = torch.cuda.is_available() and f"{torch.version.cuda}, {torch.cuda.get_device_name(0)}"
     with contextlib.suppress(Exception):
         import onnxruntime
         info["onnxruntime providers"] = onnxruntime.get_available_providers()
     return info
 
 
-def export_folder(args) -> dict:
-    from popcompile.exporters.onnx import export
+def sync(device: str) -> None:
+    import torch
 
-    folder = WORK / args.model_dir
-    if not (folder / "popcompile.json").is_file():
-        model = tiny_loaded() if args.quick else "smollm2-135m"
-        export(model, folder, max_seq=args.max_seq, force=True, kv_calibration="none")  # runtimes, not quality
-    return {"folder": str(folder)}
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def tiny_loaded():
-    """A tiny random Llama with a word-level tokenizer (the test suite's), for --quick dry runs."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny import tiny_model
-    from tiny_engine import tiny_tokenizer
-
-    from popcompile.models import LoadedModel, ModelSource
-
-    model = tiny_model("llama", max_position_embeddings=256)
-    tokenizer = tiny_tokenizer(model.config.vocab_size)
-    model.generation_config.eos_token_id = None  # never stop early: timings need the tokens
-    return LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None))
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
 
 
-def prompt_ids(folder: Path, n: int) -> list[int]:
-    """The first n tokens of real text nobody here wrote (standard-library sources)."""
-    from popcompile.runtime.tokenizer import EngineTokenizer
+def matmul_peak(plan: Plan) -> dict:
+    import torch
 
-    import argparse as a, json.decoder as j, logging as g, textwrap as t  # noqa: E401
-    text = "\n".join(inspect.getsource(m) for m in (j, t, a, g, inspect))
-    ids = EngineTokenizer.from_folder(folder).encode(text)
-    if len(ids) < n:
-        ids = (ids * (n // max(len(ids), 1) + 1))
-    return ids[:n]
-
-
-@contextlib.contextmanager
-def sampled_logits():
-    """Collect the logits every generation step samples from (both runtimes use loop.Generation)."""
-    from popcompile.runtime import loop
-
-    collected, original = [], loop.Sampler
-
-    class Recording(original):
-        def __call__(self, logits):
-            collected.append(__import__("numpy").array(logits, dtype="float32"))
-            return super().__call__(logits)
-
-    loop.Sampler = Recording
-    try:
-        yield collected
-    finally:
-        loop.Sampler = original
+    n, dtype = plan.peak_size, getattr(torch, plan.dtype)
+    a, b = (torch.randn(n, n, device=plan.device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    seconds = min(timed(lambda: [a @ b for _ in range(10)], plan.device) for _ in range(3)) / 10
+    return {"size": f"{n}x{n}x{n} {plan.dtype}", "TFLOP/s": 2 * n**3 / seconds / 1e12}
 
 
-def compare(session, reference, folder: Path, tokens: int, new_tokens: int) -> list[dict]:
-    """Greedy generation from both sessions on the same prompt; rows per mode."""
-    import numpy as np
+def build_model(plan: Plan):
+    """The geometry's Llama on the CPU, weights allocated but not initialised (capture only needs shapes;
+    ``randomise`` fills them on the device)."""
+    import torch
+    import transformers
 
-    from popcompile.runtime.generate import SamplingConfig
-
-    ids = prompt_ids(folder, tokens)
-    rows = []
-    for mode in ("pop", "full"):
-        runs = []
-        for s in (session, reference):
-            with sampled_logits() as logits:
-                result = s.generate([ids], SamplingConfig(max_new_tokens=new_tokens), mode=mode)[0]
-            runs.append((result.token_ids, logits[0][0]))
-        (got, first), (want, ref_first) = runs
-        agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        rows.append({"mode": mode, "prompt tokens": tokens, "first token equal": got[0] == want[0],
-                     "greedy tokens agreeing": f"{agree}/{len(want)}",
-                     "max |d logits|": float(np.abs(first - ref_first).max()),
-                     "relative": float(np.abs(first - ref_first).max() / np.abs(ref_first).max())})
-    return rows
+    geometry = dict(plan.geometry)
+    theta = geometry.pop("rope_theta")
+    config = transformers.LlamaConfig(max_position_embeddings=max(plan.tokens) + 64, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": theta}, **geometry)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(getattr(torch, plan.dtype))
+    model.to_empty(device="cpu")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its inv_freq buffer, computed again
+    return model.eval()
 
 
-def ttft_rows(session, folder: Path, tokens, reps: int, cut_info) -> list[dict]:
-    """Interleaved TTFT medians of POP and full per prompt length, beside the FLOP bound."""
+def randomise(module, device: str) -> None:
+    """Same random weights for the same parameter name in every module: seeded by the name."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def cut_of(plan: Plan) -> int:
+    from popcompile.passes.pop import resolve_cut
+
+    return resolve_cut(plan.geometry["num_hidden_layers"])
+
+
+def prefill_flops(plan: Plan, tokens: int, batch: int, cut: int | None) -> float:
+    from popcompile.cost import prefill_flops as flops
+
+    return batch * flops(plan.geometry, tokens, cut)
+
+
+def ttft_table(plan: Plan, budget: Budget, run_full, run_pop, after: float, decode=None) -> tuple[list, list]:
+    """Interleaved medians of full and POP prefill per (batch, tokens); rows beside the FLOP bound.
+
+    run_*(ids) -> the prefill's outputs; decode(outputs, ids) -> seconds of one decode step after it."""
+    import torch
+
     from popcompile.cost import speedup_bound
-    from popcompile.runtime.generate import SamplingConfig
 
-    config, cut = cut_info
-    one = SamplingConfig(max_new_tokens=1)
-    rows = []
-    for n in tokens:
-        ids = prompt_ids(folder, n)
-        times = {"pop": [], "full": []}
-        for mode in times:  # warm-up
-            session.generate([ids], one, mode=mode)
-        for rep in range(reps):
-            for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
-                times[mode].append(session.generate([ids], one, mode=mode)[0].ttft_s)
-        pop, full = statistics.median(times["pop"]), statistics.median(times["full"])
-        rows.append({"tokens": n, "full ms": full * 1e3, "POP ms": pop * 1e3, "ratio": full / pop,
-                     "FLOP bound": speedup_bound(config, n, cut)})
-    return rows
-
-
-def _cut_info(folder: Path):
-    from popcompile.exporters.manifest import EngineManifest
-
-    return json.loads((folder / "config.json").read_text()), EngineManifest.read(folder).cut
-
-
-def trt_build(args, folder: Path) -> dict:
-    from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines
-    from popcompile.exporters.tensorrt_compat import TensorRTUnavailable
-
-    config = TrtBuildConfig(precision=args.precision, opt_seq=1024, optimization_level=args.opt_level)
-    try:
-        section = build_engines(folder, config, progress=lambda s: print(f"  {s}", flush=True))
-    except TensorRTUnavailable as err:
-        raise Skip(str(err)) from None
-    return {"tensorrt": section.tensorrt_version, "gpu": f"{section.gpu} (sm {section.compute_capability})",
-            "precision": section.precision, "optimization level": args.opt_level,
-            "build seconds": section.build_seconds, "decode KV binding": section.decode_kv,
-            "plan MiB": {k: round(p["bytes"] / 2**20, 1) for k, p in section.plans.items()}}
+    cut, rows, skipped = cut_of(plan), [], []
+    for batch in plan.batches:
+        for n in plan.tokens:
+            if budget.left() < after:
+                skipped.append(f"batch {batch} x {n} tokens: {budget.left():.0f} s left")
+                continue
+            ids = torch.randint(0, plan.geometry["vocab_size"], (batch, n), device=plan.device)
+            times, steps = {"full": [], "pop": []}, {"full": [], "pop": []}
+            fns = {"full": run_full, "pop": run_pop}
+            for name, fn in fns.items():  # warm-up (and, for torch.compile, a new shape's first run)
+                timed(lambda: fn(ids), plan.device)
+            for rep in range(plan.reps):
+                for name in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
+                    out = {}
+                    times[name].append(timed(lambda: out.setdefault("o", fns[name](ids)), plan.device))
+                    if decode is not None and rep == 0:
+                        steps[name].append(decode(out["o"], ids))
+                    del out
+            full, pop = statistics.median(times["full"]), statistics.median(times["pop"])
+            row = {"batch": batch, "tokens": n, "full ms": full * 1e3, "POP ms": pop * 1e3, "ratio": full / pop,
+                   "FLOP bound": speedup_bound(plan.geometry, n, cut),
+                   "full TFLOP/s": prefill_flops(plan, n, batch, None) / full / 1e12,
+                   "POP TFLOP/s": prefill_flops(plan, n, batch, cut) / pop / 1e12}
+            if decode is not None:
+                row["decode step ratio (after full / after POP)"] = steps["full"][0] / steps["pop"][0]
+            rows.append(row)
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows, skipped
 
 
-def trt_numerics(args, folder: Path) -> dict:
-    from popcompile.runtime.ort import PopSession
-    from popcompile.runtime.trt import TrtSession
-
-    rows = compare(TrtSession(folder), PopSession(folder), folder, args.tokens[0], 16)
-    return {"reference": "onnxruntime CPU, float32", "rows": rows}
-
-
-def trt_ttft(args, folder: Path) -> dict:
-    from popcompile.runtime.generate import SamplingConfig
-    from popcompile.runtime.trt import TrtSession
-
-    session = TrtSession(folder)
-    rows = ttft_rows(session, folder, args.tokens, args.reps, _cut_info(folder))
-    decode = {}
-    ids = prompt_ids(folder, args.tokens[0])
-    for graph in (False, True):
-        s = session if not graph else TrtSession(folder, cuda_graph=True)
-        if graph and s.binding != "static":
-            continue
-        s.generate([ids], SamplingConfig(max_new_tokens=8))
-        result = s.generate([ids], SamplingConfig(max_new_tokens=65))[0]
-        decode["CUDA graph" if graph else "no graph"] = round(result.decode_tokens_per_s, 1)
-    return {"rows": rows, "decode tokens/s (64 tokens after the prompt)": decode, "KV binding": session.binding}
-
-
-def ort_cuda(args, folder: Path) -> dict:
-    from popcompile.runtime.ort import PopSession
-
-    provider = "cpu" if args.device == "cpu" else "cuda"
-    try:
-        session = PopSession(folder, provider=provider)
-    except ValueError as err:
-        raise Skip(str(err)) from None
-    rows = compare(session, PopSession(folder), folder, args.tokens[0], 16)
-    return {"provider": provider, "numerics vs CPU": rows,
-            "rows": ttft_rows(session, folder, args.tokens, args.reps, _cut_info(folder))}
-
-
-def torch_pair(model, cut: int, max_seq: int, device: str, dtype):
-    """The PyTorch prefill/decode graphs on ``device``: captured on the CPU, then moved."""
+def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
+    """(a) The captured decode graph and the folded POP prefill graph, eager on the device."""
     import torch
     from torch.export.passes import move_to_device_pass
 
     from popcompile.pipeline import build_graphs
 
-    pair = build_graphs(model.to(dtype), cut=cut, max_seq=max_seq)
-    move = (lambda ep: move_to_device_pass(ep, device).module()) if device != "cpu" else (lambda ep: ep.module())
-    with torch.no_grad():
-        return move(pair.prefill), move(pair.decode), pair.layout
+    start = time.perf_counter()
+    pair = build_graphs(model, cut=cut_of(plan), max_seq=max(plan.tokens) + 16)
+    built = time.perf_counter() - start
+    prefill, decode = (move_to_device_pass(ep, plan.device).module() if plan.device != "cpu" else ep.module()
+                       for ep in (pair.prefill, pair.decode))
+    del pair
+    for graph in (prefill, decode):
+        randomise(graph, plan.device)
+    layout, dtype = None, getattr(torch, plan.dtype)
+    kv_heads, head_dim, layers = (plan.geometry[k] for k in ("num_key_value_heads", "head_dim", "num_hidden_layers"))
 
+    def call(graph, ids, start_pos, past):
+        batch, n = ids.shape
+        pos = torch.arange(start_pos, start_pos + n, device=plan.device).repeat(batch, 1)
+        mask = torch.ones(batch, start_pos + n, dtype=torch.int64, device=plan.device)
+        return graph(ids, pos, mask, *past)
 
-def torch_ttft(prefill, decode, layout, vocab: int, tokens, batch: int, reps: int, device: str, config, cut):
-    import torch
+    def empty(batch):
+        return [torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype, device=plan.device) for _ in range(2 * layers)]
 
-    from popcompile.cost import speedup_bound
+    def step(outputs, ids):  # one decode step on the cache the prefill made
+        logits, *present = outputs
+        token = logits.argmax(-1, keepdim=True)
+        return timed(lambda: call(decode, token, ids.shape[1], present), plan.device)
 
-    dtype = getattr(torch, layout.dtype)
-    empty = [torch.zeros(batch, layout.num_kv_heads, 0, layout.head_dim, dtype=dtype, device=device)
-             for _ in range(2 * layout.num_layers)]
-
-    def call(graph, ids, start, past):
-        pos = torch.arange(start, start + ids.shape[1], device=device).repeat(ids.shape[0], 1)
-        return graph(ids, pos, torch.ones(ids.shape[0], start + ids.shape[1], dtype=torch.int64, device=device), *past)
-
-    def full(ids):
-        return call(decode, ids, 0, empty)[0]
-
-    def pop(ids):  # the default folded prefill graph: x_1..x_N in, x_N's logits first among its outputs
-        return call(prefill, ids, 0, empty)[0]
-
-    def timed(fn, ids):
-        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        fn(ids)
-        sync()
-        return time.perf_counter() - start
-
-    rows = []
     with torch.inference_mode():
-        for n in tokens:
-            ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).to(device)
-            timed(full, ids), timed(pop, ids)
-            times = {"pop": [], "full": []}
-            for rep in range(reps):
-                for name, fn in ((("pop", pop), ("full", full)) if rep % 2 == 0 else (("full", full), ("pop", pop))):
-                    times[name].append(timed(fn, ids))
-            f, p = statistics.median(times["full"]), statistics.median(times["pop"])
-            rows.append({"batch": batch, "tokens": n, "full ms": f * 1e3, "POP ms": p * 1e3, "ratio": f / p,
-                         "FLOP bound": speedup_bound(config, n, cut)})
-    return rows
+        rows, skipped = ttft_table(plan, budget, lambda ids: call(decode, ids, 0, empty(ids.shape[0])),
+                                   lambda ids: call(prefill, ids, 0, empty(ids.shape[0])), 20, step)
+    del layout
+    return {"graphs": "captured decode graph (full prefill) vs folded POP prefill graph, eager",
+            "capture + pass seconds": round(built, 1), "not measured (time)": skipped, "rows": rows}
 
 
-def torch_smollm2(args, folder: Path) -> dict:
-    import numpy as np
+def compile_phase(plan: Plan, budget: Budget, model) -> dict:
+    """(b) torch.compile: backend=PopBackend(inner) against the inner backend alone, dynamic=True."""
     import torch
 
-    from popcompile.models import load_model
-    from popcompile.runtime.ort import PopSession
+    from popcompile.dynamo import PopBackend, PopOptions
 
-    manifest_cut = _cut_info(folder)
-    loaded = tiny_loaded() if args.quick else load_model("smollm2-135m")
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    prefill, decode, layout = torch_pair(loaded.model, manifest_cut[1], args.max_seq, args.device, dtype)
-    ids = prompt_ids(folder, args.tokens[0])
+    model = model.to(plan.device)
+    randomise(model, plan.device)
+    backend = PopBackend(PopOptions(cut=cut_of(plan), inner=plan.inner))
+    fns = {name: torch.compile(model.forward, backend=b, dynamic=True)
+           for name, b in (("full", plan.inner), ("pop", backend))}
+    first = torch.randint(0, plan.geometry["vocab_size"], (plan.batches[0], plan.tokens[0]), device=plan.device)
+    compile_s = {}
     with torch.inference_mode():
-        x = torch.tensor([ids], device=args.device)
-        pos = torch.arange(len(ids), device=args.device)[None]
-        past = [torch.zeros(1, layout.num_kv_heads, 0, layout.head_dim, dtype=dtype, device=args.device)
-                for _ in range(2 * layout.num_layers)]
-        logits = decode(x, pos, torch.ones_like(x), *past)[0].float().cpu().numpy()
-    reference = PopSession(folder).sessions["decode"].run(None, {
-        "input_ids": np.array([ids]), "position_ids": np.arange(len(ids))[None],
-        "attention_mask": np.ones((1, len(ids)), np.int64),
-        **{n: np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), np.float32) for n in layout.past_names}})[0]
-    numerics = {"first token equal": int(logits.argmax()) == int(reference.argmax()),
-                "max |d logits| vs onnxruntime CPU float32": float(np.abs(logits - reference).max()),
-                "dtype": str(dtype)}
-    rows = torch_ttft(prefill, decode, layout, loaded.model.config.vocab_size, args.tokens, 1, args.reps,
-                      args.device, manifest_cut[0], manifest_cut[1])
-    return {"numerics (decode graph, full prompt)": numerics, "rows": rows}
+        for name, fn in fns.items():
+            compile_s[name] = timed(lambda: fn(input_ids=first, logits_to_keep=1), plan.device)
+        rows, skipped = ttft_table(plan, budget, lambda ids: fns["full"](input_ids=ids, logits_to_keep=1),
+                                   lambda ids: fns["pop"](input_ids=ids, logits_to_keep=1), 30)
+    kinds = [r.kind for r in backend.records]
+    if "prefill-pop" not in kinds:
+        raise RuntimeError(f"the pop backend pruned no graph: {backend.records}")
+    return {"compile": f"torch.compile(model.forward, dynamic=True), backend {plan.inner!r} vs "
+                       f"PopBackend(inner={plan.inner!r})", "compile seconds (first call)": compile_s,
+            "graphs the pop backend saw": kinds, "not measured (time)": skipped, "rows": rows}
 
 
-def torch_llama8b(args) -> dict:
-    import torch
-    import transformers
+def engine_phase(kind: str, args) -> dict:
+    """TensorRT or onnxruntime-CUDA on an engine folder: only where the package imports (gpu_check_trt.py)."""
+    import importlib.util
 
-    layers, cut = (6, 4) if not args.quick else (3, 2)
-    width = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "head_dim": 128, "vocab_size": 128256} if not args.quick else {
-             "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": 16, "vocab_size": 97}
-    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=4096, rope_theta=500000.0,
-                                      tie_word_embeddings=True, **width)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    prefill, decode, layout = torch_pair(model, cut, args.max_seq, args.device, dtype)
-    del model
-    rows = []
-    for batch in (1, 8):
-        rows += torch_ttft(prefill, decode, layout, config.vocab_size, args.tokens, batch, args.reps, args.device,
-                           config, cut)
-    return {"model": f"Llama-3.1-8B geometry, {layers} layers, cut {cut}, random weights, {dtype}", "rows": rows}
+    if kind == "tensorrt" and importlib.util.find_spec("tensorrt") is None:
+        raise Skip("tensorrt does not import on this machine: no TensorRT plans built or timed")
+    if kind == "ort-cuda":
+        try:
+            import onnxruntime
+        except ImportError:
+            raise Skip("onnxruntime does not import on this machine") from None
+        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+            raise Skip(f"onnxruntime {onnxruntime.__version__} has no CUDAExecutionProvider here (a CPU build)")
+    if args.engine is None:
+        raise Skip(f"{kind} imports, but no engine folder was given (--engine DIR, from `popcompile export`)")
+    import gpu_check_trt as trt
+
+    engine_args = argparse.Namespace(precision="bf16", opt_level=2, tokens=(512, 1024, 2048), reps=3, device="cuda")
+    try:
+        if kind == "tensorrt":
+            return {"build": trt.trt_build(engine_args, args.engine), **trt.trt_ttft(engine_args, args.engine)}
+        return trt.ort_cuda(engine_args, args.engine)
+    except trt.Skip as err:
+        raise Skip(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------- main
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget", type=float, default=420, help="seconds for all phases (default 420)")
+    p.add_argument("--budget", type=float, default=450, help="seconds for all phases (default 450)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "gpu_results",
                    help="results path without suffix: .json and .md are written (default docs/gpu_results)")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"], help="TensorRT precision")
-    p.add_argument("--opt-level", type=int, default=2, help="TensorRT builder optimization level (default 2: "
-                                                            "faster builds, for the time limit)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per mode and length (default 5)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the driver")
-    p.add_argument("--quick", action="store_true", help="tiny random model and short prompts (dry runs)")
-    args = p.parse_args(argv)
-    args.tokens = (16, 32) if args.quick else TOKENS
-    args.max_seq = 80 if args.quick else MAX_SEQ
-    args.model_dir = "tiny" if args.quick else "smollm2-135m"
-    args.reps = min(args.reps, 2) if args.quick else args.reps
-    return args
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny geometry, float32, inner eager: seconds")
+    p.add_argument("--engine", type=Path, help="an exported engine folder for the TensorRT / ort-cuda phases")
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    plan = DRY_PLAN if args.dry_run else GPU_PLAN
     budget = Budget(args.budget)
     env = environment()
-    gpu = (env.get("gpus") or ["no GPU"])[0] if isinstance(env.get("gpus"), list) else "no GPU"
-    report = Report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": gpu, "device": args.device,
-                               "quick": args.quick, "budget_s": args.budget})
+    gpu = env["gpus"][0] if isinstance(env.get("gpus"), list) and env["gpus"] else "no GPU"
+    described = (f"{'dry run, ' if args.dry_run else ''}{plan.device}, {plan.dtype}, "
+                 f"{plan.geometry['num_hidden_layers']} layers, cut {cut_of(plan)}, inner {plan.inner}")
+    report = Report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": gpu, "plan": described,
+                               "budget_s": args.budget})
     report.record("environment", "ok", **env)
-    exported = run_phase(report, budget, "export", 30 if args.quick else 150, export_folder, args)
-    folder = Path(exported["folder"]) if exported else None
-    has_trt = False
-    if folder is not None:
-        built = run_phase(report, budget, "trt-build", 200, trt_build, args, folder)
-        has_trt = built is not None
-        if has_trt:
-            run_phase(report, budget, "trt-numerics", 40, trt_numerics, args, folder)
-            run_phase(report, budget, "trt-ttft", 60, trt_ttft, args, folder)
-        else:  # where TensorRT is absent: onnxruntime's CUDA provider and the PyTorch graphs on CUDA
-            run_phase(report, budget, "ort-cuda", 60, ort_cuda, args, folder)
-            run_phase(report, budget, "torch-smollm2", 90, torch_smollm2, args, folder)
-    run_phase(report, budget, "torch-llama8b-6l", 20 if args.quick else 120, torch_llama8b, args)
+    if plan.device == "cuda" and not env.get("torch.cuda"):
+        report.record("matmul-peak", "skipped", reason="torch sees no CUDA device: run with --dry-run on a CPU")
+    else:
+        run_phase(report, budget, "matmul-peak", 10, matmul_peak, plan)
+        model = build_model(plan)
+        run_phase(report, budget, "graphs", 120 if plan.device == "cuda" else 5, graphs_phase, plan, budget, model)
+        run_phase(report, budget, "compile", 150 if plan.device == "cuda" else 5, compile_phase, plan, budget, model)
+    for kind in ("tensorrt", "ort-cuda"):
+        run_phase(report, budget, kind, 0, engine_phase, kind, args)
     print(f"[gpu_check] results: {args.out.with_suffix('.md')}", flush=True)
     out = os.environ.get("OUT")
     if out:  # the device tool brings back what is under $OUT
         for suffix in (".json", ".md"):
             shutil.copy(args.out.with_suffix(suffix), Path(out) / f"gpu_results{suffix}")
-    return 0
+    failed = [name for name, phase in report.data["phases"].items() if phase["status"] == "failed"]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
