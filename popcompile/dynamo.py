@@ -4,17 +4,20 @@ Registered through the ``torch_dynamo_backends`` entry point, so the name works 
 ``pip install popcompile`` without importing it. Dynamo hands the backend each graph it captures:
 
 - a **decode graph** (sequence length 1) is passed to the inner backend untouched;
-- a **prefill graph** (symbolic sequence length N) is rewritten by ``fold_boundary_pass``: the deep
+- a **prefill graph** (sequence length N > 1) is rewritten by ``fold_boundary_pass``: the deep
   layers keep their K/V projections over all N positions (POP's cache, x_N's from its true hidden
-  state) and run attention and MLP for x_N alone, so the call returns x_N's logits at POP's cost;
-- anything else (no decoder layers, a graph break inside the model, a static sequence length, a
-  call that asks for logits at every position) runs unmodified through the inner backend, with one
-  warning per reason.
+  state) and run attention and MLP for x_N alone, so the call returns x_N's logits at POP's cost. A
+  graph traced at a static N (the first prompt without ``dynamic=True``) first gets N as a symbol
+  (``passes/static_seq.py``); a second length makes dynamo recompile once with a symbolic N;
+- per call, the prefill runs the full graph instead when the call asks for logits at every position
+  or the prompt is shorter than ``min_prompt_tokens``;
+- anything else (no decoder layers, a graph break inside the model, a static N that cannot be told
+  from another size) runs unmodified through the inner backend, with one warning per reason.
 
-Options: ``torch.compile(model, backend="pop", dynamic=True, options={"prune_ratio": 1/3, "cut": None,
-"inner": "inductor", "kv_calibration": None})`` (``kv_calibration``: POP+ weights from ``popcompile
-calibrate`` for the same cut, used for x_1..x_{N-1}). ``dynamic=True`` gives dynamo's graphs a symbolic sequence length from the
-first prompt on (without it the first prompt length is compiled static and runs unpruned).
+Options: ``torch.compile(model, backend="pop", options={"prune_ratio": 1/3, "cut": None,
+"inner": "inductor", "kv_calibration": None, "min_prompt_tokens": MIN_PROMPT_TOKENS})``
+(``kv_calibration``: POP+ weights from ``popcompile calibrate`` for the same cut, used for
+x_1..x_{N-1}). docs/torch_compile.md lists the call forms that work.
 """
 from __future__ import annotations
 

@@ -231,32 +231,30 @@ def prefill_flops(plan: Plan, tokens: int, batch: int, cut: int | None) -> float
     return batch * flops(plan.geometry, tokens, cut)
 
 
-def ttft_table(plan: Plan, budget: Budget, run_full, run_pop, after: float, decode=None) -> tuple[list, list]:
+def ttft_table(plan: Plan, budget: Budget, run_full, run_pop, after: float, decode=None,
+               batch_cost: float = 0.0) -> tuple[list, list]:
     """Interleaved medians of full and POP prefill per (batch, tokens); rows beside the FLOP bound.
 
-    run_*(ids) -> the prefill's outputs; decode(outputs, ids) -> seconds of one decode step after it."""
+    run_*(ids) -> the prefill's outputs; decode(outputs, ids) -> seconds of one decode step after it.
+    A row starts only with ``after`` seconds left (``+ batch_cost`` for a new batch size: a recompile
+    under torch.compile); a row that runs out of memory is reported and the next one tried."""
     import torch
 
     from popcompile.cost import speedup_bound
 
     cut, rows, skipped = cut_of(plan), [], []
-    for batch in plan.batches:
+    for index, batch in enumerate(plan.batches):
         for n in plan.tokens:
-            if budget.left() < after:
-                skipped.append(f"batch {batch} x {n} tokens: {budget.left():.0f} s left")
+            needs = after + (batch_cost if index and n == plan.tokens[0] else 0.0)
+            if budget.left() < needs:
+                skipped.append(f"batch {batch} x {n} tokens: {budget.left():.0f} s left, needs {needs:.0f} s")
                 continue
-            ids = torch.randint(0, plan.geometry["vocab_size"], (batch, n), device=plan.device)
-            times, steps = {"full": [], "pop": []}, {"full": [], "pop": []}
-            fns = {"full": run_full, "pop": run_pop}
-            for name, fn in fns.items():  # warm-up (and, for torch.compile, a new shape's first run)
-                timed(lambda: fn(ids), plan.device)
-            for rep in range(plan.reps):
-                for name in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
-                    out = {}
-                    times[name].append(timed(lambda: out.setdefault("o", fns[name](ids)), plan.device))
-                    if decode is not None and rep == 0:
-                        steps[name].append(decode(out["o"], ids))
-                    del out
+            try:
+                times, steps = measure(plan, run_full, run_pop, decode, batch, n)
+            except torch.OutOfMemoryError as err:
+                skipped.append(f"batch {batch} x {n} tokens: out of memory ({str(err)[:120]})")
+                torch.cuda.empty_cache()
+                continue
             full, pop = statistics.median(times["full"]), statistics.median(times["pop"])
             row = {"batch": batch, "tokens": n, "full ms": full * 1e3, "POP ms": pop * 1e3, "ratio": full / pop,
                    "FLOP bound": speedup_bound(plan.geometry, n, cut),
@@ -268,6 +266,25 @@ def ttft_table(plan: Plan, budget: Budget, run_full, run_pop, after: float, deco
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
     return rows, skipped
+
+
+def measure(plan: Plan, run_full, run_pop, decode, batch: int, n: int) -> tuple[dict, dict]:
+    """Seconds per prefill call of each mode (interleaved after a warm-up), and decode steps after them."""
+    import torch
+
+    ids = torch.randint(0, plan.geometry["vocab_size"], (batch, n), device=plan.device)
+    times, steps = {"full": [], "pop": []}, {"full": [], "pop": []}
+    fns = {"full": run_full, "pop": run_pop}
+    for fn in fns.values():  # warm-up (and, under torch.compile, a new shape's first run)
+        timed(lambda: fn(ids), plan.device)
+    for rep in range(plan.reps):
+        for name in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
+            out = {}
+            times[name].append(timed(lambda: out.setdefault("o", fns[name](ids)), plan.device))
+            if decode is not None and rep == 0:
+                steps[name].append(decode(out["o"], ids))
+            del out
+    return times, steps
 
 
 def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
@@ -285,7 +302,7 @@ def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
     del pair
     for graph in (prefill, decode):
         randomise(graph, plan.device)
-    layout, dtype = None, getattr(torch, plan.dtype)
+    dtype = getattr(torch, plan.dtype)
     kv_heads, head_dim, layers = (plan.geometry[k] for k in ("num_key_value_heads", "head_dim", "num_hidden_layers"))
 
     def call(graph, ids, start_pos, past):
@@ -305,7 +322,6 @@ def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
     with torch.inference_mode():
         rows, skipped = ttft_table(plan, budget, lambda ids: call(decode, ids, 0, empty(ids.shape[0])),
                                    lambda ids: call(prefill, ids, 0, empty(ids.shape[0])), 20, step)
-    del layout
     return {"graphs": "captured decode graph (full prefill) vs folded POP prefill graph, eager",
             "capture + pass seconds": round(built, 1), "not measured (time)": skipped, "rows": rows}
 
@@ -316,6 +332,8 @@ def compile_phase(plan: Plan, budget: Budget, model) -> dict:
 
     from popcompile.dynamo import PopBackend, PopOptions
 
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()  # the graphs phase's copies are gone
     model = model.to(plan.device)
     randomise(model, plan.device)
     backend = PopBackend(PopOptions(cut=cut_of(plan), inner=plan.inner))
@@ -327,7 +345,8 @@ def compile_phase(plan: Plan, budget: Budget, model) -> dict:
         for name, fn in fns.items():
             compile_s[name] = timed(lambda: fn(input_ids=first, logits_to_keep=1), plan.device)
         rows, skipped = ttft_table(plan, budget, lambda ids: fns["full"](input_ids=ids, logits_to_keep=1),
-                                   lambda ids: fns["pop"](input_ids=ids, logits_to_keep=1), 30)
+                                   lambda ids: fns["pop"](input_ids=ids, logits_to_keep=1), 30,
+                                   batch_cost=2 * sum(compile_s.values()))  # both backends recompile
     kinds = [r.kind for r in backend.records]
     if "prefill-pop" not in kinds:
         raise RuntimeError(f"the pop backend pruned no graph: {backend.records}")
