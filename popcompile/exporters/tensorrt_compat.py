@@ -161,14 +161,23 @@ def dynamic_dims(path_or_proto: str | Path | onnx.ModelProto) -> dict[str, list]
 
 def check_engine(folder: str | Path) -> CompatReport:
     """Check both graphs of an engine folder (file names from its manifest) against the support matrix."""
-    from .manifest import EngineManifest
+    from google.protobuf.message import DecodeError
 
-    folder = Path(folder)
+    from ..errors import EngineError
+    from ..runtime.verify import HashCache, verify_file
+    from .manifest import RE_EXPORT, EngineManifest
+
     manifest = EngineManifest.read(folder)
+    folder = Path(folder)
     findings: list[Finding] = []
     dims = {}
     for name in ("prefill", "decode"):
-        proto = _load(folder / manifest.graphs[name].file)
+        entry = manifest.graphs[name]  # inside the folder, the manifest's size and sha256 (docs/reliability.md)
+        path = verify_file(folder, entry.file, f"graphs.{name}.file", entry.bytes, entry.sha256, HashCache(None))
+        try:
+            proto = _load(path)
+        except (DecodeError, ValueError, OSError) as err:
+            raise EngineError(f"{folder}: {entry.file} is not a readable ONNX graph ({err}): {RE_EXPORT}") from None
         findings += check_model(proto, name)
         dims[name] = dynamic_dims(proto)
     matrix = support_matrix()
