@@ -182,11 +182,32 @@ def test_real_model_generate_without_dynamic_equals_eager_pop(name):
              "A compiler turns source code into a program. Its front end parses the text into a tree; the"]
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
     assert prompts[0].shape[1] != prompts[1].shape[1]
-    want = [reference.generate(model, ids, 12, reference.Variant(REAL[name])) for ids in prompts]
+    want = [reference.generate(model, ids, 10, reference.Variant(REAL[name])) for ids in prompts]
     model.forward = torch.compile(model.forward, backend="pop", options={"inner": "eager"})
     try:
-        got = [model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+        got = [model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
                [0, ids.shape[1]:].tolist() for ids in prompts]
     finally:
         del model.forward
     assert got == want
+
+
+@pytest.mark.parametrize("batch, length, pruned", [(2, 11, True), (3, 3, False)])
+def test_static_batches_prune_unless_batch_equals_the_length(batch, length, pruned):
+    """A static [B, N] prompt is pruned like the dynamic one; with B == N the sequence dim of input_ids
+    is ambiguous, so that graph runs the full model with a warning."""
+    model = tiny_model("llama", layers=LAYERS)
+    ids = torch.randint(1, 97, (batch, length), generator=torch.Generator().manual_seed(batch))
+    results = {}
+    for name, cut, dynamic in (("static", CUT, None), ("dynamic", CUT, True), ("full", LAYERS, True)):
+        torch._dynamo.reset()
+        backend = PopBackend(PopOptions(cut=cut, inner="eager"))
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            results[name] = torch.compile(model, backend=backend, dynamic=dynamic)(ids, logits_to_keep=1).logits
+        if name == "static":
+            ours = [str(w.message) for w in caught if issubclass(w.category, PopFallbackWarning)]
+            assert (not ours) if pruned else ("two dims" in ours[0])
+    assert (results["static"] - results["dynamic" if pruned else "full"]).abs().max() < TOL
+    if pruned:  # (with B == N, dynamo's duck sizing gives the dynamic graph one symbol for both: unpruned too)
+        assert (results["dynamic"] - results["full"]).abs().max() > 1e-3

@@ -95,6 +95,9 @@ def _fake_input(value, seq_len: int, seq: torch.SymInt):
         return value
     if value.dtype.is_floating_point or seq_len not in value.shape:
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    if list(value.shape).count(seq_len) > 1:  # e.g. batch == N: which dim is the sequence?
+        raise UnsupportedGraph(f"a token input of shape {tuple(value.shape)} has the static sequence length "
+                               f"{seq_len} in two dims: compile with dynamic=True")
     shape = [seq if size == seq_len else size for size in value.shape]  # no SymInt == int test: it would guard
     return torch.empty(shape, dtype=value.dtype, device=value.device)
 
