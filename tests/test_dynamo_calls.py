@@ -183,6 +183,9 @@ def test_real_model_generate_without_dynamic_equals_eager_pop(name):
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
     assert prompts[0].shape[1] != prompts[1].shape[1]
     want = [reference.generate(model, ids, 10, reference.Variant(REAL[name])) for ids in prompts]
+    from popcompile.dynamo import pop  # the instance behind backend="pop"
+
+    pop.records.clear()
     model.forward = torch.compile(model.forward, backend="pop", options={"inner": "eager"})
     try:
         got = [model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
@@ -190,6 +193,8 @@ def test_real_model_generate_without_dynamic_equals_eager_pop(name):
     finally:
         del model.forward
     assert got == want
+    prefills = [(r.kind, r.static_len, r.cut) for r in pop.records if r.kind.startswith("prefill")]
+    assert prefills == [("prefill-pop", prompts[0].shape[1], REAL[name]), ("prefill-pop", None, REAL[name])]
 
 
 @pytest.mark.parametrize("batch, length, pruned", [(2, 11, True), (3, 3, False)])
@@ -207,7 +212,7 @@ def test_static_batches_prune_unless_batch_equals_the_length(batch, length, prun
             results[name] = torch.compile(model, backend=backend, dynamic=dynamic)(ids, logits_to_keep=1).logits
         if name == "static":
             ours = [str(w.message) for w in caught if issubclass(w.category, PopFallbackWarning)]
-            assert (not ours) if pruned else ("two dims" in ours[0])
+            assert (not ours) if pruned else ("batch size too" in ours[0])
     assert (results["static"] - results["dynamic" if pruned else "full"]).abs().max() < TOL
     if pruned:  # (with B == N, dynamo's duck sizing gives the dynamic graph one symbol for both: unpruned too)
         assert (results["dynamic"] - results["full"]).abs().max() > 1e-3

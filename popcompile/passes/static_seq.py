@@ -51,14 +51,18 @@ def symbolize_sequence(gm: fx.GraphModule, seq_len: int) -> Symbolized:
     env = ShapeEnv()
     symbol = env.create_symbol(seq_len, ConstantSource("pop_sequence_length"), dynamic_dim=DimDynamic.DYNAMIC)
     seq = env.create_symintnode(symbol, hint=seq_len)
-    mode = FakeTensorMode(shape_env=env)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)  # get_attr constants: real tensors
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with mode:
         inputs = [_fake_input(node.meta.get("example_value"), seq_len, seq) for node in placeholders]
     token = _token_input(placeholders, seq_len)
     runner = _SymbolicRun(gm, seq_len, seq)
-    with mode:
-        runner.run(*inputs)
+    try:
+        with mode:
+            runner.run(*inputs)
+    except Exception as err:  # noqa: BLE001 - any op that refuses a symbolic N: this graph stays unpruned
+        raise UnsupportedGraph(f"the static graph does not run with a symbolic sequence length "
+                               f"({type(err).__name__}: {str(err)[:200]}): compile with dynamic=True") from err
     _check_unambiguous(runner.values, seq_len, symbol, env)
     with gm.graph.inserting_after(placeholders[-1]):
         size = gm.graph.call_method("size", (token[0], token[1]))
@@ -95,9 +99,9 @@ def _fake_input(value, seq_len: int, seq: torch.SymInt):
         return value
     if value.dtype.is_floating_point or seq_len not in value.shape:
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    if list(value.shape).count(seq_len) > 1:  # e.g. batch == N: which dim is the sequence?
+    if value.dim() >= 2 and value.shape[0] == seq_len:  # batch == N: which dims are the sequence?
         raise UnsupportedGraph(f"a token input of shape {tuple(value.shape)} has the static sequence length "
-                               f"{seq_len} in two dims: compile with dynamic=True")
+                               f"{seq_len} as its batch size too: compile with dynamic=True")
     shape = [seq if size == seq_len else size for size in value.shape]  # no SymInt == int test: it would guard
     return torch.empty(shape, dtype=value.dtype, device=value.device)
 
