@@ -346,6 +346,23 @@ def test_truncated_graph_with_a_matching_manifest(folder, keep):
     assert "not a readable ONNX file" in message or "onnxruntime cannot load" in message
 
 
+@pytest.mark.parametrize("damage, words", [
+    ("truncate", ["prefill.onnx is not a readable ONNX graph"]), ("symlink-out", ["outside the engine folder"])])
+def test_tensorrt_check_reads_only_verified_graphs(folder, tmp_path, damage, words):
+    from popcompile.exporters.tensorrt_compat import check_engine
+
+    path = folder / "prefill.onnx"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:5000])
+        rehash(folder, "prefill")
+    else:
+        path.rename(tmp_path / "prefill.onnx")
+        path.symlink_to(tmp_path / "prefill.onnx")
+    with pytest.raises(EngineError) as error:
+        check_engine(folder)
+    assert all(w in str(error.value) for w in words), str(error.value)
+
+
 def test_graph_onnxruntime_refuses(folder):
     rewrite_graph(folder, "decode", lambda proto: setattr(proto.graph.node[0], "op_type", "NoSuchOp"))
     refused(folder, "onnxruntime cannot load", "decode.onnx")
