@@ -357,8 +357,9 @@ def test_chat_stop_rule_and_prompt_formats(problems):
     class ChatTokenizer(CharTokenizer):
         chat_template = "{{ messages }}"
 
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            return f"<user>{messages[0]['content']}<assistant>"
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+            text = f"<user>{messages[0]['content']}<assistant>"  # tokenize=True: ids, as transformers returns
+            return self(text)["input_ids"] if tokenize else text
     p = problems["HumanEval/23"]
     assert humaneval.resolve_format(ChatTokenizer(), "auto") == "chat"
     chat = humaneval.prompt_ids(ChatTokenizer(), p, "chat")

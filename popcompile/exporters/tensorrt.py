@@ -214,8 +214,6 @@ def build_engines(folder: str | Path, config: TrtBuildConfig | None = None, *,
     Up to date plans (same ONNX graphs, settings, TensorRT version and GPU) are kept unless ``force``.
     Raises EngineError for a folder TensorRT cannot take, TensorRTUnavailable (a ValueError) without an
     NVIDIA GPU or the ``tensorrt`` package."""
-    from .tensorrt_compat import require_gpu
-
     config = config or TrtBuildConfig()
     folder = Path(folder)
     with destination_lock(folder, "engine folder"):  # no export --force may swap the folder out meanwhile
@@ -223,6 +221,8 @@ def build_engines(folder: str | Path, config: TrtBuildConfig | None = None, *,
 
 
 def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], None], force: bool) -> TrtSection:
+    from .tensorrt_compat import require_gpu
+
     step("check graphs")
     manifest = EngineManifest.read(folder)
     onnx_sha = _check_graphs(folder, manifest)
