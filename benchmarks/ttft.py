@@ -48,7 +48,8 @@ def engine(model: str, dtype: str = "float32", kv_calibration: str = "none", bou
     suffix = ("" if dtype == "float32" else f"-{dtype}") + ("" if kv_calibration == "none" else "-kvfit")
     folder = CACHE / f"{model}-maxseq{MAX_SEQ}-{boundary}{suffix}"
     if not folder.exists():
-        export(model, folder, max_seq=MAX_SEQ, dtype=dtype, kv_calibration=kv_calibration, boundary=boundary)
+        export(model, folder, max_seq=MAX_SEQ, dtype=dtype, kv_calibration=kv_calibration, boundary=boundary,
+               min_prompt_tokens=0)
     return folder
 
 

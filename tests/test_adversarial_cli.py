@@ -158,6 +158,7 @@ def test_out_that_is_a_symlink_is_refused(hf, tmp_path, capsys):
     (["--cut", "auto", "--budget", "nan"], "--budget"),
     (["--cut", "auto", "--min-agreement", "nan"], "--min-agreement"),
     (["--cut", "auto", "--min-agreement", "1.5"], "--min-agreement"),
+    (["--min-prompt-tokens", "-3"], "--min-prompt-tokens"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_export_options_fail_in_a_second(hf, tmp_path, capsys, args, culprit):
     fails(capsys, ["export", hf, "--out", tmp_path / "engine", *args], culprit, within_s=1.0)
@@ -422,7 +423,12 @@ def test_analyze_refuses_its_old_report_and_non_utf8_text(hf, tmp_path, capsys):
     (["--prompt", "hi", "--threads", "-1"], "--threads"),
     (["--prompt", "hi", "--threads", "0"], "--threads"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
-], ids=["threads-negative", "threads-zero", "max-new-tokens-0"])
+    (["--prompt", "hi", "--min-prompt-tokens", "-1"], "--min-prompt-tokens"),
+    (["--prompt", "hi", "--compare", "--repeat", "0"], "--repeat"),
+    (["--prompt", "hi", "--repeat", "3"], "use it with --compare"),
+    (["--max-new-tokens", "4"], "no prompt"),
+], ids=["threads-negative", "threads-zero", "max-new-tokens-0", "min-prompt-tokens-negative", "repeat-0",
+        "repeat-without-compare", "no-prompt"])
 def test_bad_run_options_fail_before_the_engine_loads(tmp_path, capsys, args, culprit):
     fails(capsys, ["run", tmp_path / "no-engine", *args], culprit, within_s=1.0)
 

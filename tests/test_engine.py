@@ -45,14 +45,15 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def smol_engine(tmp_path_factory) -> Path:
     """Exported once through the CLI (itself the end-to-end test of `popcompile export`)."""
     out = tmp_path_factory.mktemp("engines") / "smollm2"
-    cli("export", "smollm2-135m", "--out", str(out), "--max-seq", str(MAX_SEQ), "--kv-calibration", "none")
+    cli("export", "smollm2-135m", "--out", str(out), "--max-seq", str(MAX_SEQ), "--kv-calibration", "none",
+        "--min-prompt-tokens", "0")
     return out
 
 
 @pytest.fixture(scope="module")
 def gemma_engine(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("engines") / "gemma3"
-    export("gemma3-270m", out, max_seq=MAX_SEQ, kv_calibration="none")
+    export("gemma3-270m", out, max_seq=MAX_SEQ, kv_calibration="none", min_prompt_tokens=0)
     return out
 
 
@@ -195,7 +196,7 @@ def tiny_one_kv_head_engine(tmp_path_factory) -> Path:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     out = tmp_path_factory.mktemp("tiny") / "llama-1kv"
     export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, cut=3, max_seq=64,
-           kv_calibration="none")
+           kv_calibration="none", min_prompt_tokens=0)
     return out
 
 

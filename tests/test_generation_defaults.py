@@ -117,7 +117,7 @@ def engine(folder, *, template: str, **generation) -> str:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.update(**generation)
     export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), folder, cut=2,
-           kv_calibration="none", max_seq=64)
+           kv_calibration="none", max_seq=64, min_prompt_tokens=0)
     return str(folder)
 
 

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
 
+from popcompile.cli import main
 from popcompile.errors import ConfigError, EngineError
 from popcompile.exporters.manifest import MANIFEST, EngineManifest
-from popcompile.runtime.compare import compare, measure_speedups
+from popcompile.runtime.compare import compare, measure_speedups, measured_min_prompt_tokens
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.loop import prefill_path
 from popcompile.runtime.ort import PopSession
+from popcompile.threshold import choose_min_prompt_tokens
 from tiny_engine import tiny_engine
 
 SHORT, LONG = [5, 9, 12], [5, 9, 12, 40, 41, 7, 3, 88, 19, 23, 61]
@@ -60,7 +63,8 @@ def test_below_threshold_equals_full_and_at_or_above_equals_pop(engine):
 
 
 def test_manifest_threshold_is_the_session_default(engine, tmp_path):
-    assert EngineManifest.read(engine).min_prompt_tokens == 0  # tests export with 0: POP always
+    manifest = EngineManifest.read(engine)  # tests export with min_prompt_tokens=0: POP always, nothing measured
+    assert manifest.min_prompt_tokens == 0 and manifest.extra["min_prompt_tokens"] is None
     folder = tmp_path / "e"
     folder.mkdir()
     for f in engine.iterdir():
@@ -94,3 +98,76 @@ def test_measure_speedups_table(engine):
     table = measure_speedups(PopSession(engine), (4, 8, 16), repeats=1, min_speedup=0.0)
     assert [row["tokens"] for row in table] == [4, 8]  # stops after two lengths that pass
     assert all(row["speedup"] > 0 and row["flop_bound"] > 1.0 for row in table)
+
+
+class _Timed:
+    """A session whose TTFTs follow ``speedup(n)`` (full = n ms, POP = n / speedup(n) ms): the rule's input."""
+
+    def __init__(self, session, speedup):
+        self.session, self.speedup = session, speedup
+        self.folder, self.manifest, self.layout = session.folder, session.manifest, session.layout
+
+    def generate(self, ids, sampling, *, mode, min_prompt_tokens):
+        assert min_prompt_tokens == 0  # the probe must time POP's graph at every length
+        n = len(ids[0])
+        return [types.SimpleNamespace(ttft_s=n / 1000 / (self.speedup(n) if mode == "pop" else 1.0))]
+
+
+@pytest.mark.parametrize("curve, expected, noted", [
+    ({16: 0.9, 32: 1.12}, 32, False),       # the first two lengths that pass end the probe
+    ({16: 1.2, 32: 1.0}, 0, True),          # max_seq 64: only 16 and 32 are probed; 32 fails -> never POP
+    ({16: 1.3, 32: 1.3}, 16, False),
+])
+def test_auto_threshold_follows_the_measured_curve(engine, curve, expected, noted):
+    session = _Timed(PopSession(engine), lambda n: curve[n])
+    value, record = measured_min_prompt_tokens(session, "fake")
+    assert [row["tokens"] for row in record["table"]] == sorted(curve)
+    assert [row["speedup"] for row in record["table"]] == [curve[n] for n in sorted(curve)]
+    assert value == (session.layout.max_seq if noted else expected)
+    assert ("note" in record) == noted and record["min_speedup"] == 1.1 and record["runtime"] == "fake"
+
+
+def test_export_auto_records_the_measured_threshold(tmp_path):
+    auto = tiny_engine("llama", tmp_path / "auto", cut=3, max_seq=64, min_prompt_tokens="auto")
+    manifest = EngineManifest.read(auto)
+    record = manifest.extra["min_prompt_tokens"]
+    assert record["method"] == "measured" and record["runtime"] == "onnxruntime-cpu"
+    lengths = {row["tokens"]: row["speedup"] for row in record["table"]}
+    assert set(lengths) <= {16, 32}  # the probes below max_seq=64
+    if "note" in record:  # tiny random models are noise-bound; either outcome must follow the rule
+        assert manifest.min_prompt_tokens == 64
+    else:
+        assert manifest.min_prompt_tokens == choose_min_prompt_tokens(lengths)
+    for bad in (-1, "often", 2.5):
+        with pytest.raises(ConfigError, match="--min-prompt-tokens"):
+            tiny_engine("llama", tmp_path / "bad", min_prompt_tokens=bad)
+        assert not (tmp_path / "bad").exists()
+
+
+def _run_json(capsys, *args) -> dict:
+    assert main(["run", *map(str, args), "--no-chat", "--max-new-tokens", "6", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_run_threshold_override_and_compare(engine, tmp_path, capsys):
+    session = PopSession(engine)
+    text = " ".join(f"t{i}" for i in range(20))
+    ids = session.encode(text, chat=False)
+    greedy = SamplingConfig(max_new_tokens=6)
+    pop = session.generate([ids], greedy, min_prompt_tokens=0)[0].token_ids
+    full = session.generate([ids], greedy, mode="full")[0].token_ids
+    above = _run_json(capsys, engine, "--prompt", text, "--min-prompt-tokens", len(ids) + 1)
+    assert above["prefill"] == "full" and above["token_ids"] == full
+    at = _run_json(capsys, engine, "--prompt", text, "--min-prompt-tokens", len(ids))
+    assert at["prefill"] == "pop" and at["token_ids"] == pop
+    both = _run_json(capsys, engine, "--prompt", text, "--compare", "--repeat", 2, "--min-prompt-tokens", 99)
+    assert (both["pop"]["token_ids"], both["full"]["token_ids"]) == (pop, full)  # POP forced despite 99
+    assert both["repeats"] == 2 and both["pop_by_default"] is False and both["flop_bound"] > 1.0
+    assert both["same_text"] == (pop == full) and both["prompt_tokens"] == len(ids)
+
+
+def test_cli_run_prompt_file_then_instruction(engine, tmp_path, capsys):
+    attached = tmp_path / "doc.txt"
+    attached.write_text("t1 t2 t3 t4")
+    out = _run_json(capsys, engine, "--prompt-file", attached, "--prompt", "t9 t8")
+    assert out["prompt_token_ids"] == PopSession(engine).encode("t1 t2 t3 t4\n\nt9 t8", chat=False)

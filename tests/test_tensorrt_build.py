@@ -43,7 +43,7 @@ def _engine(model_type: str, out: Path, boundary: str = "folded", **model_kwargs
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48,
-           kv_calibration="none", boundary=boundary)
+           kv_calibration="none", boundary=boundary, min_prompt_tokens=0)
     return out
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from ..exporters.manifest import EngineManifest
 from ..exporters.tensorrt import PRECISIONS, TrtBuildConfig
 
 BUILD_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan", "write manifest")
@@ -83,13 +84,23 @@ def summary(folder: Path, section) -> str:
 
 def export_tensorrt(args, export_onnx: Callable[[], object]):
     """`export --target tensorrt`: fail before the long ONNX export when TensorRT cannot run here, then export
-    (``export_onnx()``, the command's own ONNX path into ``args.out``) and build the plans into that folder."""
+    (``export_onnx()``, the command's own ONNX path into ``args.out``), build the plans into that folder and
+    record ``args.min_prompt_tokens`` (auto: measured with the TensorRT runtime). Returns the manifest."""
     from ..exporters.tensorrt_compat import require_gpu
 
     require_gpu()
     config = build_config(args)  # validated before the export too
     export_onnx()
-    return build(args.out, config, force=True)
+    build(args.out, config, force=True)
+    value, record = args.min_prompt_tokens, None
+    if value == "auto":
+        from ..runtime.compare import measured_min_prompt_tokens
+        from ..runtime.trt import TrtSession
+
+        value, record = measured_min_prompt_tokens(TrtSession(args.out), "tensorrt")
+    manifest = EngineManifest.read(args.out).with_min_prompt_tokens(value, record)
+    manifest.write(args.out)
+    return manifest
 
 
 def add_runtime_options(parser) -> None:

@@ -1,10 +1,11 @@
 """``popcompile export``: capture, POP pass, write an engine folder."""
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-from ..exporters.manifest import BOUNDARIES, EngineManifest
+from ..exporters.manifest import BOUNDARIES
 from ..fsutil import destination_lock
 from . import build_trt
 from .common import CliError, add_cut_options, check_range, precheck_model, quiet_libraries
@@ -41,8 +42,22 @@ def register(sub) -> None:
                    help="how the last prompt token x_N gets the full model: folded (default: inside the prefill "
                         "graph, which takes x_1..x_N and returns its logits; one call to the first token) or "
                         "separate (a decode-graph call after a prefill of x_1..x_{N-1}, the paper's layout)")
+    p.add_argument("--min-prompt-tokens", type=_threshold_arg, default="auto", metavar="{auto,N}",
+                   help="prompts shorter than this prefill with the full model, where POP gains little (run "
+                        "--min-prompt-tokens overrides it): auto (default: measure POP against full on the new "
+                        "engine, seconds; the shortest length from which it is >= 1.1x faster, "
+                        "docs/prompt_length.md) or N (0: POP for every prompt)")
     build_trt.add_build_options(p)
     p.set_defaults(handler=cmd_export)
+
+
+def _threshold_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor an integer") from None
 
 
 def cmd_export(args) -> None:
@@ -50,13 +65,14 @@ def cmd_export(args) -> None:
 
     _check_cut_options(args)
     check_options(dtype=args.dtype, boundary=args.boundary, max_seq=args.max_seq,
-                  cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio)
+                  cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio,
+                  min_prompt_tokens=args.min_prompt_tokens)
     check_output_folder(args.out, args.force)
     precheck_model(args.model)
     with destination_lock(args.out):  # held through a TensorRT build too; a second export fails here, at once
         if args.target == "tensorrt":
-            build_trt.export_tensorrt(args, lambda: _export_onnx(args))  # fails before the export without a GPU
-            manifest = EngineManifest.read(args.out)
+            # fails before the export without a GPU; "auto" measures the TensorRT plans, not onnxruntime
+            manifest = build_trt.export_tensorrt(args, lambda: _export_onnx(args, min_prompt_tokens=0))
         else:
             manifest = _export_onnx(args)
     print(manifest.to_json() if args.json else summary(args.out, manifest))
@@ -71,7 +87,7 @@ def _check_cut_options(args) -> None:
         raise CliError("--min-agreement (eval sweep) and --budget (analyze) are two ways to choose: give one")
 
 
-def _export_onnx(args):
+def _export_onnx(args, min_prompt_tokens: int | str | None = None):
     from tqdm import tqdm
 
     from ..exporters.onnx import export
@@ -80,7 +96,9 @@ def _export_onnx(args):
     quiet_libraries()
     loaded = load_model(args.model)
     cut, choice = _choose_cut(args, loaded) if args.cut == "auto" else (args.cut, None)
+    threshold = args.min_prompt_tokens if min_prompt_tokens is None else min_prompt_tokens
     steps = ["load", "capture + POP pass", "export decode graph", "export prefill graph", "write engine folder"]
+    steps += ["measure min_prompt_tokens"] if threshold == "auto" else []
     with tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
         def progress(name: str) -> None:
             if bar.n or name != steps[0]:
@@ -89,7 +107,7 @@ def _export_onnx(args):
 
         manifest = export(loaded, args.out, cut=cut, prune_ratio=args.prune_ratio, max_seq=args.max_seq,
                           force=args.force, kv_calibration=args.kv_calibration, progress=progress,
-                          cut_choice=choice, dtype=args.dtype, boundary=args.boundary)
+                          cut_choice=choice, dtype=args.dtype, boundary=args.boundary, min_prompt_tokens=threshold)
         bar.update(bar.total - bar.n)
     return manifest
 

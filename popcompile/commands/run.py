@@ -1,12 +1,13 @@
 """``popcompile run``: generate with an engine folder (POP or full)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from . import build_trt
-from .common import check_range, read_text
+from .common import CliError, check_range, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 
@@ -21,9 +22,9 @@ def register(sub) -> None:
                                    "temperature/top_k/top_p) unless --greedy or a sampling option says otherwise; "
                                    "--json reports the values used.")
     p.add_argument("engine", type=Path, help="engine folder written by `popcompile export`")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help=DEFAULT_PROMPT_NOTE)
-    src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    p.add_argument("--prompt", help=DEFAULT_PROMPT_NOTE)
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file; with --prompt too, the file's "
+                                                   "text comes first and --prompt (an instruction) after it")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--greedy", action="store_true",
                    help="always take the most likely token, whatever generation_config.json says")
@@ -38,7 +39,16 @@ def register(sub) -> None:
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
-    p.add_argument("--full", action="store_true", help="no pruning: prefill with the decode graph (for comparison)")
+    path = p.add_mutually_exclusive_group()
+    path.add_argument("--full", action="store_true", help="no pruning: prefill with the decode graph (for comparison)")
+    path.add_argument("--compare", action="store_true",
+                      help="run the prompt with POP (always pruned) and with the full model; print both texts, both "
+                           "TTFTs, the speedup next to its FLOP bound and whether the texts agree")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --compare: runs per mode, interleaved; TTFTs are medians (default 1)")
+    p.add_argument("--min-prompt-tokens", type=int, metavar="N",
+                   help="prompts shorter than N prefill with the full model (default: the engine's, chosen at "
+                        "export; 0: POP for every prompt)")
     p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
     build_trt.add_runtime_options(p)
@@ -68,9 +78,7 @@ def _describe(choice) -> str:
 def cmd_run(args) -> None:
     from ..runtime.defaults import resolve_sampling
 
-    check_range("--threads", args.threads, 1)  # before the engine loads
-    check_range("--max-new-tokens", args.max_new_tokens, 1)
-    prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file, "--prompt-file")
+    prompt = _check_args(args)  # before the engine loads
     options = _sampling_options(args)
     session = build_trt.open_session(args)
     ids = session.encode(prompt, args.chat)  # a template or tokenizer problem stops here, before any note
@@ -80,16 +88,62 @@ def cmd_run(args) -> None:
     if choice.ignored:
         print(f"note: generation_config.json sets {', '.join(f'{k}={v!r}' for k, v in choice.ignored.items())}, "
               "which popcompile does not apply", file=sys.stderr)
-    mode = "full" if args.full else "pop"
-    if args.warmup:  # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once
-        from ..runtime.generate import SamplingConfig
-
-        session.generate([ids[:8]], SamplingConfig(max_new_tokens=2), mode=mode)
+    modes = ("full", "pop") if args.compare else ("full",) if args.full else ("pop",)
+    if args.warmup:  # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once per graph
+        _warm_up(session, ids, modes)
+    if args.compare:
+        _compare(session, ids, sampling, choice, args)
+        return
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
-    result = session.generate([ids], sampling, mode=mode, on_text=stream)[0]
+    result = session.generate([ids], sampling, mode=modes[0], on_text=stream,
+                              min_prompt_tokens=args.min_prompt_tokens)[0]
     if args.json:
         print(json.dumps({**result.to_dict(), "sampling": choice.to_dict()}))
         return
-    print(f"\n\n[{result.mode}] TTFT {result.ttft_s * 1000:.1f} ms | prefill {result.prefill_tokens_per_s:.0f} tok/s "
-          f"({len(result.prompt_token_ids)} tokens) | decode {result.decode_tokens_per_s:.1f} tok/s "
-          f"({len(result.token_ids)} tokens, {result.finish_reason}) | {_describe(choice)}", file=sys.stderr)
+    print(f"\n\n[{result.mode}, prefill {result.prefill}] TTFT {result.ttft_s * 1000:.1f} ms | prefill "
+          f"{result.prefill_tokens_per_s:.0f} tok/s ({len(result.prompt_token_ids)} tokens) | decode "
+          f"{result.decode_tokens_per_s:.1f} tok/s ({len(result.token_ids)} tokens, {result.finish_reason}) | "
+          f"{_describe(choice)}{_below_note(result, session, args)}", file=sys.stderr)
+
+
+def _check_args(args) -> str:
+    """The prompt text (file first, then --prompt); ConfigError/InputError for bad options."""
+    check_range("--threads", args.threads, 1)
+    check_range("--max-new-tokens", args.max_new_tokens, 1)
+    check_range("--min-prompt-tokens", args.min_prompt_tokens, 0)
+    check_range("--repeat", args.repeat, 1)
+    if args.repeat != 1 and not args.compare:
+        raise CliError("--repeat times --compare's runs: use it with --compare")
+    if args.prompt is None and args.prompt_file is None:
+        raise CliError("no prompt: give --prompt TEXT, --prompt-file FILE, or both (the file's text, then TEXT)")
+    parts = [read_text(args.prompt_file, "--prompt-file")] if args.prompt_file is not None else []
+    return "\n\n".join(parts + ([args.prompt] if args.prompt is not None else []))
+
+
+def _warm_up(session, ids: list[int], modes: tuple[str, ...]) -> None:
+    from ..runtime.generate import SamplingConfig
+
+    for mode in modes:  # min_prompt_tokens=0: the graphs the timed run will use, whatever the threshold
+        session.generate([ids[:8]], SamplingConfig(max_new_tokens=2), mode=mode, min_prompt_tokens=0)
+
+
+def _compare(session, ids: list[int], sampling, choice, args) -> None:
+    from ..runtime.compare import compare
+
+    result = compare(session, [ids], sampling, repeats=args.repeat)
+    if args.min_prompt_tokens is not None:  # the threshold a plain run would use with this override
+        result = dataclasses.replace(result, min_prompt_tokens=args.min_prompt_tokens)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "sampling": choice.to_dict()}))
+        return
+    for name, run in (("POP", result.pop), ("full", result.full)):
+        print(f"--- {name} ({len(run.token_ids)} tokens, {run.finish_reason}) ---\n{run.text.strip()}\n")
+    print(result.summary())
+
+
+def _below_note(result, session, args) -> str:
+    if result.mode != "pop" or result.prefill == "pop":
+        return ""
+    threshold = session.min_prompt_tokens if args.min_prompt_tokens is None else args.min_prompt_tokens
+    return (f" | prompt below min_prompt_tokens={threshold}: prefilled in full, where POP gains little "
+            "(--min-prompt-tokens 0 forces POP)")

@@ -20,8 +20,12 @@ MIN_MAX_SEQ = 8
 
 
 def check_options(*, dtype: str, boundary: str, max_seq: int | None, cut: int | None,
-                  prune_ratio: float | None) -> None:
+                  prune_ratio: float | None, min_prompt_tokens: int | str = 0) -> None:
     """ConfigError for option values no model can take (the model's own limits are checked once it loads)."""
+    if min_prompt_tokens != "auto" and (isinstance(min_prompt_tokens, bool) or not isinstance(min_prompt_tokens, int)
+                                        or min_prompt_tokens < 0):
+        raise ConfigError(f"--min-prompt-tokens {min_prompt_tokens!r} is not valid: give auto (measure at export) "
+                          "or an integer >= 0 (0: POP for every prompt)")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
     if boundary not in BOUNDARIES:

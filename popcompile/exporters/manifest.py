@@ -8,10 +8,11 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ConfigError, EngineError
+from ..fsutil import atomic_write
 from ..kv import KV_DTYPES, KVLayout
 
 MANIFEST = "popcompile.json"
@@ -173,8 +174,12 @@ class EngineManifest:
         data["kv_layout"] = self.kv_layout.to_dict()
         return json.dumps(data, indent=2, sort_keys=True)
 
+    def with_min_prompt_tokens(self, value: int, record: dict | None) -> "EngineManifest":
+        """This manifest with the threshold ``value``; ``record`` (how it was chosen) in ``extra``."""
+        return replace(self, min_prompt_tokens=value, extra={**self.extra, "min_prompt_tokens": record})
+
     def write(self, folder: Path) -> None:
-        (Path(folder) / MANIFEST).write_text(self.to_json() + "\n")
+        atomic_write(Path(folder) / MANIFEST, self.to_json() + "\n")
 
     @classmethod
     def read(cls, folder: str | Path) -> "EngineManifest":

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import io
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -48,7 +49,7 @@ def export(
     prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
     kv_calibration: str | Path | None = "auto", progress: Callable[[str], None] | None = None,
     cut_choice: dict | None = None,
-    dtype: str = "float32", boundary: str = "folded",
+    dtype: str = "float32", boundary: str = "folded", min_prompt_tokens: int | str = "auto",
 ) -> EngineManifest:
     """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``.
 
@@ -60,9 +61,14 @@ def export(
     (docs/benchmarks.md says why): run them with ``provider="cuda"``. ``boundary``: "folded" (default: the
     prefill graph takes x_1..x_N and returns x_N's logits, one call to the first token) or "separate"
     (x_1..x_{N-1}; the decode graph runs x_N), recorded in the manifest (docs/kv.md).
+    ``min_prompt_tokens``: prompts shorter than this prefill in full (0: POP for every prompt); "auto"
+    (default) measures POP against full on the written folder with onnxruntime (seconds) and takes
+    threshold.py's rule (docs/prompt_length.md); the measurement goes in ``extra``. A float16 engine,
+    which onnxruntime's CPU provider refuses, records 0 with a warning.
     """
     out_dir = Path(out_dir)
-    check_options(dtype=dtype, boundary=boundary, max_seq=max_seq, cut=cut, prune_ratio=prune_ratio)
+    check_options(dtype=dtype, boundary=boundary, max_seq=max_seq, cut=cut, prune_ratio=prune_ratio,
+                  min_prompt_tokens=min_prompt_tokens)
     check_output_folder(out_dir, force)
     fit_file = _fit_file(kv_calibration)  # a bad file fails now, not after the model loads
     with destination_lock(out_dir):
@@ -80,6 +86,10 @@ def export(
         pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights, boundary=boundary)
         with staged_folder(out_dir, replace=force) as tmp:
             manifest = _write_folder(tmp, loaded, pair, fit, cut_choice, step)
+            value, record = (measure_min_prompt_tokens(tmp, manifest, step) if min_prompt_tokens == "auto"
+                             else (min_prompt_tokens, None))
+            manifest = manifest.with_min_prompt_tokens(value, record)
+            manifest.write(tmp)
             check_output_folder(out_dir, force)  # nothing but an engine folder is ever swapped out
     return manifest
 
@@ -100,6 +110,24 @@ def _write_folder(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | 
     manifest = _manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice)
     manifest.write(tmp)
     return manifest
+
+
+def measure_min_prompt_tokens(folder: Path, manifest: EngineManifest,
+                              step: Callable[[str], None] = lambda name: None) -> tuple[int, dict]:
+    """``min_prompt_tokens="auto"``: the threshold measured on ``folder`` with onnxruntime, and its record."""
+    if manifest.dtype != "float32":
+        note = "onnxruntime's CPU provider refuses float16 engines: POP for every prompt; give --min-prompt-tokens N"
+        warnings.warn(f"--min-prompt-tokens auto: {note}", stacklevel=3)
+        return 0, {"method": "not measured", "note": note}
+    from ..runtime.compare import measured_min_prompt_tokens
+    from ..runtime.ort import PopSession
+    from ..runtime.verify import HashCache
+
+    step("measure min_prompt_tokens")
+    value, record = measured_min_prompt_tokens(PopSession(folder, hash_cache=HashCache(None)), "onnxruntime-cpu")
+    if "note" in record:
+        warnings.warn(f"--min-prompt-tokens auto: {record['note']}", stacklevel=3)
+    return value, record
 
 
 def _check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..cost import speedup_bound
 from ..errors import ConfigError, EngineError
+from ..threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
 from .loop import GenerationResult
 
 
@@ -104,7 +105,7 @@ PROBE_LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def measure_speedups(session, lengths=PROBE_LENGTHS, *, repeats: int = 3, seed: int = 0,
-                     stop_after: int = 2, min_speedup: float = 1.1) -> list[dict]:
+                     stop_after: int = 2, min_speedup: float = DEFAULT_MIN_SPEEDUP) -> list[dict]:
     """TTFT full/POP of random-id prompts, shortest first: ``[{"tokens", "speedup", "flop_bound"}]``.
 
     Each length runs ``repeats`` interleaved pairs (after one untimed pair) and keeps the median ratio.
@@ -134,6 +135,24 @@ def measure_speedups(session, lengths=PROBE_LENGTHS, *, repeats: int = 3, seed: 
         if passed >= stop_after:
             break
     return table
+
+
+def measured_min_prompt_tokens(session, runtime: str, min_speedup: float = DEFAULT_MIN_SPEEDUP) -> tuple[int, dict]:
+    """``export --min-prompt-tokens auto``: the threshold threshold.py's rule picks from this session's
+    measured speedups, and the record kept in the manifest's ``extra["min_prompt_tokens"]``.
+
+    No measured length reaching ``min_speedup`` gives ``max_seq`` (POP never pays here: every prompt
+    prefills in full) with a note saying so; a buffer shorter than the shortest probe gives 0."""
+    table = measure_speedups(session, min_speedup=min_speedup)
+    record = {"method": "measured", "runtime": runtime, "min_speedup": min_speedup, "table": table}
+    if not table:
+        return 0, {**record, "note": f"max_seq {session.layout.max_seq} is below the shortest probe: POP everywhere"}
+    try:
+        return choose_min_prompt_tokens({row["tokens"]: row["speedup"] for row in table}, min_speedup), record
+    except ConfigError:
+        note = (f"POP reached {min_speedup}x at no measured length (up to {table[-1]['tokens']} tokens): every "
+                "prompt prefills in full; give --min-prompt-tokens N to choose otherwise")
+        return session.layout.max_seq, {**record, "note": note}
 
 
 def _vocab(session) -> int:
