@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from popcompile.errors import ConfigError
-from popcompile.threshold import choose_min_prompt_tokens
+from popcompile.threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -13,25 +13,39 @@ def curve(*speedups: float) -> dict[int, float]:
     return dict(zip(LENGTHS, speedups))
 
 
+def choose(speedups) -> int:
+    """The rule's mechanics at a 1.1x bar (the default bar is tested on its own)."""
+    return choose_min_prompt_tokens(speedups, min_speedup=1.1)
+
+
+def test_default_bar_is_1_2_and_gives_the_documented_thresholds():
+    # docs/prompt_length.md, onnxruntime engines (16..2048 tokens): both land at 64 with the 1.2x bar
+    smollm2 = curve(1.075, 1.181, 1.306, 1.381, 1.300, 1.510, 1.379, 1.551)
+    gemma = curve(1.133, 1.101, 1.207, 1.253, 1.346, 1.423, 1.371, 1.541)
+    assert DEFAULT_MIN_SPEEDUP == 1.2
+    assert choose_min_prompt_tokens(smollm2) == choose_min_prompt_tokens(gemma) == 64
+    assert (choose(smollm2), choose(gemma)) == (32, 16)
+
+
 def test_shortest_length_from_which_every_longer_one_pays():
-    assert choose_min_prompt_tokens(curve(0.8, 0.95, 1.05, 1.12, 1.2, 1.3, 1.4, 1.45)) == 128
+    assert choose(curve(0.8, 0.95, 1.05, 1.12, 1.2, 1.3, 1.4, 1.45)) == 128
 
 
 def test_a_dip_moves_the_threshold_past_it():
     # 32 passes, 64 does not: POP must not switch on at 32 and off again at 64.
-    assert choose_min_prompt_tokens(curve(0.9, 1.12, 1.05, 1.15, 1.2, 1.3, 1.4, 1.45)) == 128
+    assert choose(curve(0.9, 1.12, 1.05, 1.15, 1.2, 1.3, 1.4, 1.45)) == 128
 
 
 def test_a_dip_at_a_long_length_leaves_only_the_lengths_after_it():
-    assert choose_min_prompt_tokens(curve(1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05, 1.3)) == 2048
+    assert choose(curve(1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05, 1.3)) == 2048
 
 
 def test_every_length_pays_gives_the_shortest():
-    assert choose_min_prompt_tokens(curve(1.1, 1.2, 1.2, 1.3, 1.3, 1.4, 1.4, 1.5)) == 16
+    assert choose(curve(1.1, 1.2, 1.2, 1.3, 1.3, 1.4, 1.4, 1.5)) == 16
 
 
 def test_exactly_min_speedup_counts_as_paying():
-    assert choose_min_prompt_tokens({64: 1.0999, 128: 1.1, 256: 1.3}) == 128
+    assert choose({64: 1.0999, 128: 1.1, 256: 1.3}) == 128
 
 
 def test_min_speedup_is_a_parameter():
@@ -42,12 +56,12 @@ def test_min_speedup_is_a_parameter():
 
 def test_order_of_the_mapping_does_not_matter():
     speedups = curve(0.8, 0.95, 1.05, 1.12, 1.2, 1.3, 1.4, 1.45)
-    assert choose_min_prompt_tokens(dict(reversed(list(speedups.items())))) == 128
+    assert choose(dict(reversed(list(speedups.items())))) == 128
 
 
 def test_no_length_pays_names_the_longest_measurement():
     with pytest.raises(ConfigError, match=r"2048 tokens: 1\.050x.*min_prompt_tokens explicitly"):
-        choose_min_prompt_tokens(curve(0.8, 0.9, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05))
+        choose(curve(0.8, 0.9, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05))
 
 
 @pytest.mark.parametrize("bad", [{}, {0: 1.2}, {True: 1.2}, {16.0: 1.2}, {16: 0.0}, {16: float("nan")},

@@ -45,7 +45,7 @@ def register(sub) -> None:
     p.add_argument("--min-prompt-tokens", type=_threshold_arg, default="auto", metavar="{auto,N}",
                    help="prompts shorter than this prefill with the full model, where POP gains little (run "
                         "--min-prompt-tokens overrides it): auto (default: measure POP against full on the new "
-                        "engine, seconds; the shortest length from which it is >= 1.1x faster, "
+                        "engine, seconds; the shortest length from which it is >= 1.2x faster, "
                         "docs/prompt_length.md) or N (0: POP for every prompt)")
     build_trt.add_build_options(p)
     p.set_defaults(handler=cmd_export)
