@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from popcompile.cli import main
+from popcompile.commands.info import summary
 from popcompile.errors import ConfigError, EngineError
 from popcompile.exporters.manifest import MANIFEST, EngineManifest
 from popcompile.runtime.compare import compare, measure_speedups, measured_min_prompt_tokens
@@ -132,6 +133,7 @@ def test_export_auto_records_the_measured_threshold(tmp_path):
     manifest = EngineManifest.read(auto)
     record = manifest.extra["min_prompt_tokens"]
     assert record["method"] == "measured" and record["runtime"] == "onnxruntime-cpu"
+    assert "measured with onnxruntime-cpu, bar 1.2x" in summary(auto, manifest)  # popcompile info says how
     lengths = {row["tokens"]: row["speedup"] for row in record["table"]}
     assert set(lengths) <= {16, 32}  # the probes below max_seq=64
     if "note" in record:  # tiny random models are noise-bound; either outcome must follow the rule

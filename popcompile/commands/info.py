@@ -25,4 +25,20 @@ def summary(folder: Path, manifest) -> str:
             f"cut {manifest.cut} (layers {manifest.cut}..{manifest.num_layers - 1} pruned in prefill), "
             f"boundary {manifest.boundary}\n"
             f"KV layout: {layout.num_layers} x [batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
-            f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)")
+            f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
+            f"{_threshold(manifest)}")
+
+
+def _threshold(manifest) -> str:
+    """One line: which prompts prefill with POP, and how that threshold was chosen."""
+    record = manifest.extra.get("min_prompt_tokens")
+    if not manifest.min_prompt_tokens:
+        head = "POP prefill for every prompt (min_prompt_tokens 0)"
+    else:
+        head = f"POP prefill for prompts of {manifest.min_prompt_tokens}+ tokens, shorter ones in full"
+    if not isinstance(record, dict):  # given as a number at export (or an older folder): nothing measured
+        return head
+    if not isinstance(record.get("table"), list):
+        return f"{head} ({record.get('note', 'not measured')})"
+    rows = ", ".join(f"{row.get('tokens')}: {row.get('speedup')}x" for row in record["table"] if isinstance(row, dict))
+    return f"{head} (measured with {record.get('runtime')}, bar {record.get('min_speedup')}x: {rows})"
