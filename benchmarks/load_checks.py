@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from popcompile.exporters.manifest import MANIFEST, EngineManifest, engine_file, sha256_file
+from popcompile.engine.manifest import MANIFEST, EngineManifest, engine_file, sha256_file
 from popcompile.runtime.onnx_refs import external_refs
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.ort_load import load_graph

@@ -26,8 +26,8 @@ import torch
 import transformers
 
 from popcompile.cost import speedup_bound
+from popcompile.engine.manifest import BOUNDARIES
 from popcompile.models import load_model
-from popcompile.exporters.manifest import BOUNDARIES
 from popcompile.pipeline import GraphPair, build_graphs
 
 SMOLLM2 = "smollm2-135m"

@@ -34,7 +34,7 @@ import numpy as np
 import onnxruntime
 
 from popcompile.cost import speedup_bound
-from popcompile.exporters.manifest import BOUNDARIES
+from popcompile.engine.manifest import BOUNDARIES
 from popcompile.exporters.onnx import export
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "load_model": "popcompile.models",
     "capture": "popcompile.capture",
-    "KVLayout": "popcompile.kv",
+    "KVLayout": "popcompile.engine.kv",
     "pop_pass": "popcompile.passes.pop",
     "resolve_cut": "popcompile.passes.pop",
     "build_graphs": "popcompile.pipeline",

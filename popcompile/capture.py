@@ -5,7 +5,7 @@ The captured graph (it is the decode graph, and the input of the POP pass)::
     input_ids       [B, T]      int64
     position_ids    [B, T]      int64   RoPE positions (left padding: real tokens start at 0)
     attention_mask  [B, P+T]    int64   1 = real token, 0 = padding; covers the cached rows then the new ones
-    past_key_values.{i}.key     [B, H_kv, P, D]    rows 0..P-1 of the KV buffer (see kv.py)
+    past_key_values.{i}.key     [B, H_kv, P, D]    rows 0..P-1 of the KV buffer (see engine/kv.py)
     past_key_values.{i}.value   [B, H_kv, P, D]
       -> logits                 [B, V]             last position only (what generation needs)
       -> present.{i}.key        [B, H_kv, T, D]    K after k_norm and RoPE, new rows only
@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .arch import ArchSpec, arch_spec, attention_windows
-from .kv import KVLayout
+from .engine.kv import KVLayout
 
 ATTN_IMPLEMENTATION = "popcompile"
 

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from . import eval_data
+from .engine.manifest import MANIFEST
 from .errors import ConfigError
 from .evaluate import (BASELINE, VARIANTS, _timed, _write, batch_size_for, generation_task,
                        score_continuations)
 from .eval_config import EvalConfig
-from .exporters.manifest import MANIFEST
 from .humaneval import humaneval_scores
 from .runtime.generate import SamplingConfig
 from .runtime.kvbuffer import KVBuffer

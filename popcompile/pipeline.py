@@ -15,8 +15,8 @@ import torch
 from torch.export import ExportedProgram
 
 from .capture import CapturedModel, capture, export_flat
-from .kv import KVLayout
-from .exporters.manifest import BOUNDARIES
+from .engine.kv import KVLayout
+from .engine.manifest import BOUNDARIES
 from .passes.boundary import fold_boundary_pass
 from .passes.pop import KVWeights, erase_metadata_asserts, pop_pass, resolve_cut
 

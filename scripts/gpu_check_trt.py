@@ -94,14 +94,14 @@ def ttft_rows(session, folder: Path, tokens, reps: int, cut_info) -> list[dict]:
 
 
 def _cut_info(folder: Path):
-    from popcompile.exporters.manifest import EngineManifest
+    from popcompile.engine.manifest import EngineManifest
 
     return json.loads((folder / "config.json").read_text()), EngineManifest.read(folder).cut
 
 
 def trt_build(args, folder: Path) -> dict:
+    from popcompile.engine.tensorrt import TensorRTUnavailable
     from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines
-    from popcompile.exporters.tensorrt_compat import TensorRTUnavailable
 
     config = TrtBuildConfig(precision=args.precision, opt_seq=1024, optimization_level=args.opt_level)
     try:

@@ -27,8 +27,8 @@ from tiny_engine import tiny_tokenizer
 from popcompile import fsutil
 from popcompile.calibrate import CalibrationInfo, KVFit, check_finite, load_fit, save_fit
 from popcompile.cli import main
+from popcompile.engine.manifest import FORMAT, MANIFEST, EngineManifest
 from popcompile.errors import InputError, OutputError
-from popcompile.exporters.manifest import FORMAT, MANIFEST, EngineManifest
 from popcompile.passes.pop import Projection
 
 LAYERS, HIDDEN, KV_WIDTH = 4, 64, 32  # tiny_model defaults: 4 heads x 16, 2 kv heads x 16

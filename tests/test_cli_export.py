@@ -7,7 +7,7 @@ from tiny_engine import tiny_tokenizer
 
 from popcompile.cli import main
 from popcompile.calibrate import load_fit
-from popcompile.exporters.manifest import EngineManifest
+from popcompile.engine.manifest import EngineManifest
 
 
 @pytest.fixture(scope="module")

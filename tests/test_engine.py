@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from popcompile import reference
-from popcompile.exporters.manifest import MANIFEST, EngineError, EngineManifest
+from popcompile.engine.kv import KVLayout
+from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.exporters.onnx import export
-from popcompile.kv import KVLayout
 from popcompile.models import load_model
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer

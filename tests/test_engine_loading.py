@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from popcompile.engine.manifest import MANIFEST, EngineManifest
+from popcompile.engine.tensorrt import TrtSection
 from popcompile.errors import ConfigError, EngineError, InputError, PopcompileError
-from popcompile.exporters.manifest import MANIFEST, EngineManifest
-from popcompile.exporters.tensorrt import TrtSection
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.trt import TrtSession, verify_plans

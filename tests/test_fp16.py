@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from popcompile.exporters.manifest import EngineError, EngineManifest
+from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.exporters.onnx import cast_model, export
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer

@@ -9,8 +9,8 @@ import pytest
 
 from popcompile.cli import main
 from popcompile.commands.info import summary
+from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.errors import ConfigError, EngineError
-from popcompile.exporters.manifest import MANIFEST, EngineManifest
 from popcompile.runtime.compare import compare, measure_speedups, measured_min_prompt_tokens
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.loop import prefill_path

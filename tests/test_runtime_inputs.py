@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from popcompile.engine.kv import KVLayout
 from popcompile.errors import ConfigError, EngineError, EnvironmentUnavailable, InputError
-from popcompile.kv import KVLayout
 from popcompile.runtime.generate import Sampler, SamplingConfig, sampling_config
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.loop import Generation, prompt_ids

@@ -22,11 +22,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from popcompile.exporters.manifest import MANIFEST, EngineError, EngineManifest
+from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
+from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
 from popcompile.exporters.onnx import export
-from popcompile.exporters.tensorrt import (
-    PLANS, Profile, ShapeRange, TrtBuildConfig, TrtSection, build_engines, has_sliding_window, profiles)
-from popcompile.exporters.tensorrt_compat import TensorRTUnavailable
+from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
 from popcompile.models import LoadedModel, ModelSource
 from popcompile.runtime.generate import Sampler, SamplingConfig
 from popcompile.runtime.ort import PopSession

@@ -9,10 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from popcompile.exporters import tensorrt_compat as trt
+from popcompile.engine import tensorrt as trt
+from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
 from popcompile.exporters.tensorrt_compat import (
-    CompatReport, Finding, TensorRTUnavailable, check_engine, check_model, dynamic_dims, format_table,
-    require_gpu, support_matrix,
+    CompatReport, Finding, check_engine, check_model, dynamic_dims, format_table, support_matrix,
 )
 from tiny_engine import tiny_engine
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from ..exporters.manifest import EngineManifest
+from ..engine.manifest import EngineManifest
 from ..exporters.tensorrt import PRECISIONS, TrtBuildConfig
 
 BUILD_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan", "write manifest")
@@ -86,7 +86,7 @@ def export_tensorrt(args, export_onnx: Callable[[], object]):
     """`export --target tensorrt`: fail before the long ONNX export when TensorRT cannot run here, then export
     (``export_onnx()``, the command's own ONNX path into ``args.out``), build the plans into that folder and
     record ``args.min_prompt_tokens`` (auto: measured with the TensorRT runtime). Returns the manifest."""
-    from ..exporters.tensorrt_compat import require_gpu
+    from ..engine.tensorrt import require_gpu
 
     require_gpu()
     config = build_config(args)  # validated before the export too

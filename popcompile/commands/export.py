@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..exporters.manifest import BOUNDARIES
+from ..engine.manifest import BOUNDARIES
 from ..fsutil import destination_lock
 from . import build_trt
 from .common import CliError, add_cut_options, check_range, precheck_model, quiet_libraries

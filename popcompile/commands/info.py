@@ -12,7 +12,7 @@ def register(sub) -> None:
 
 
 def cmd_info(args) -> None:
-    from ..exporters.manifest import EngineManifest
+    from ..engine.manifest import EngineManifest
 
     manifest = EngineManifest.read(args.engine)
     print(manifest.to_json() if args.json else summary(args.engine, manifest))

@@ -9,9 +9,9 @@ import json
 import math
 from pathlib import Path
 
+from ..engine.manifest import BOUNDARIES, FORMAT, MANIFEST
 from ..errors import ConfigError, OutputError
 from ..fsutil import check_destination
-from .manifest import BOUNDARIES, FORMAT, MANIFEST
 
 #: engine precisions: the graphs' weights, activations, KV inputs/outputs and logits all take this dtype
 DTYPES = ("float32", "float16")

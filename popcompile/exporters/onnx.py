@@ -1,7 +1,7 @@
 """Export both graphs to an ONNX engine folder that shares one weights file and one KV layout.
 
     engines/NAME/
-      popcompile.json           manifest (exporters/manifest.py)
+      popcompile.json           manifest (engine/manifest.py)
       prefill.onnx, decode.onnx graphs; every initializer is external data in weights.bin
       weights.bin               each distinct tensor once: the graphs share it
       tokenizer.json, tokenizer_config.json, generation_config.json, config.json (the HF config)
@@ -29,13 +29,13 @@ import onnx
 import torch
 
 from ..calibrate import KVFit, check_fit, check_fit_shapes, default_batches, fit_kv, load_fit
+from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..errors import ConfigError
 from ..fsutil import destination_lock, staged_folder
 from ..models import LoadedModel, load_model
 from ..passes.pop import KVWeights, resolve_cut
 from ..pipeline import GraphPair, build_graphs
 from .checks import DTYPES, check_options, check_output_folder
-from .manifest import EngineManifest, GraphEntry, sha256_file
 
 OPSET = 20
 WEIGHTS = "weights.bin"

@@ -3,7 +3,7 @@
     engines/NAME/                  an engine folder from `popcompile export` (exporters/onnx.py), plus:
       prefill.plan, decode.plan    serialized TensorRT engines, one per graph (each holds its weights)
       timing.cache                 kernel timings: a rebuild on the same GPU and TensorRT version reuses them
-      popcompile.json              gains a "tensorrt" section (TrtSection below)
+      popcompile.json              gains a "tensorrt" section (its schema: engine/tensorrt.py, TrtSection)
 
 The KV buffer the runtime (runtime/trt.py) binds to both engines has one **sentinel row** in front::
 
@@ -27,7 +27,7 @@ graphs); its opt is R then, else opt_seq + 1. Each min/opt/max of attention_mask
 same point, so TensorRT's shape checks at those points see consistent shapes.
 
 ``build_engines`` runs the compatibility check and computes the profiles on any machine, then needs an
-NVIDIA GPU and the ``tensorrt`` package (``require_gpu``): without them it stops with
+NVIDIA GPU and the ``tensorrt`` package (``engine.tensorrt.require_gpu``): without them it stops with
 TensorRTUnavailable naming what is missing and what to run instead. No torch import.
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import subprocess
 import time
@@ -43,17 +42,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError
+from ..engine.kv import KVLayout
+from ..engine.manifest import MANIFEST, EngineManifest
+from ..engine.tensorrt import PLANS, SENTINEL_ROWS, Profile, ShapeRange, TensorRTUnavailable, TrtSection, require_gpu
+from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write, destination_lock
-from ..kv import KVLayout
-from .manifest import MANIFEST, EngineError, EngineManifest
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-PLANS = {"prefill": "prefill.plan", "decode": "decode.plan"}
 TIMING_CACHE = "timing.cache"
-SENTINEL_ROWS = 1
-DECODE_KV = ("static", "gather")
-GRAPH_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 
 @dataclass(frozen=True)
@@ -86,40 +82,6 @@ class TrtBuildConfig:
             raise ConfigError(f"optimization_level must be 0..5, got {self.optimization_level!r}")
         if not isinstance(self.timing_cache, str) or not self.timing_cache:
             raise ConfigError(f"timing_cache must be a file name or path, got {self.timing_cache!r}")
-
-
-@dataclass(frozen=True)
-class ShapeRange:
-    """min <= opt <= max, elementwise, same rank; every dim >= 1 (no zero-length dims in a profile)."""
-
-    min: tuple[int, ...]
-    opt: tuple[int, ...]
-    max: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not len(self.min) == len(self.opt) == len(self.max):
-            raise ValueError(f"shape range of mixed ranks: {self.min}, {self.opt}, {self.max}")
-        if not all(1 <= lo <= mid <= hi for lo, mid, hi in zip(self.min, self.opt, self.max)):
-            raise ValueError(f"shape range needs 1 <= min <= opt <= max per dim: {self.min}, {self.opt}, {self.max}")
-
-    def covers(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) == len(self.min) and all(lo <= d <= hi for lo, d, hi in zip(self.min, shape, self.max))
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str                        # "prefill" | "step" | "prompt"
-    shapes: dict                     # input name -> ShapeRange
-
-    def to_dict(self) -> dict:
-        """Plain json data (lists, not tuples): equal to what reading the manifest back gives."""
-        return {"name": self.name,
-                "shapes": {k: {p: list(getattr(v, p)) for p in ("min", "opt", "max")} for k, v in self.shapes.items()}}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Profile":
-        shapes = {k: ShapeRange(*(tuple(v[p]) for p in ("min", "opt", "max"))) for k, v in data["shapes"].items()}
-        return cls(data["name"], shapes)
 
 
 def profiles(layout: KVLayout, config: TrtBuildConfig, *, static_decode: bool) -> dict[str, tuple[Profile, ...]]:
@@ -161,44 +123,6 @@ def has_sliding_window(folder: Path) -> bool:
     return bool(config.get("sliding_window"))
 
 
-@dataclass(frozen=True)
-class TrtSection:
-    """The manifest's "tensorrt" section: what was built, where, how, and from which ONNX graphs."""
-
-    tensorrt_version: str
-    gpu: str
-    compute_capability: str
-    precision: str
-    workspace_gb: float
-    max_batch: int
-    sentinel_rows: int
-    decode_kv: str                 # "static" (no sliding-window layers) | "gather": see runtime/trt.py
-    plans: dict                    # "prefill" | "decode" -> {"file", "bytes", "sha256"}
-    profiles: dict                 # "prefill" | "decode" -> [Profile.to_dict(), ...] in profile-index order
-    onnx_sha256: dict              # graph -> sha256 of the ONNX file the plan was built from
-    timing_cache: str
-    build_seconds: dict
-
-    def __post_init__(self) -> None:
-        if self.decode_kv not in DECODE_KV:
-            raise EngineError(f"tensorrt.decode_kv must be one of {DECODE_KV}, got {self.decode_kv!r}")
-        if set(self.plans) != set(PLANS) or set(self.profiles) != set(PLANS):
-            raise EngineError(f"tensorrt section must describe {sorted(PLANS)}, found {sorted(self.plans)}")
-
-    def profile_list(self, engine: str) -> tuple[Profile, ...]:
-        return tuple(Profile.from_dict(p) for p in self.profiles[engine])
-
-    @classmethod
-    def from_manifest(cls, manifest: EngineManifest, folder: str | Path = "?") -> "TrtSection":
-        if not manifest.tensorrt:
-            raise EngineError(f"{folder} has no TensorRT engines: run `popcompile build-trt {folder}` on a GPU machine")
-        try:
-            return cls(**manifest.tensorrt)
-        except TypeError as err:
-            raise EngineError(f"{folder}: the manifest's tensorrt section is malformed ({err}): "
-                              f"run `popcompile build-trt {folder} --force`") from None
-
-
 def section_config(section: TrtSection) -> dict:
     """The build settings a section records, to tell whether a rebuild is needed."""
     return {"precision": section.precision, "workspace_gb": section.workspace_gb, "max_batch": section.max_batch,
@@ -221,8 +145,6 @@ def build_engines(folder: str | Path, config: TrtBuildConfig | None = None, *,
 
 
 def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], None], force: bool) -> TrtSection:
-    from .tensorrt_compat import require_gpu
-
     step("check graphs")
     manifest = EngineManifest.read(folder)
     onnx_sha = _check_graphs(folder, manifest)
@@ -374,8 +296,6 @@ def _import_tensorrt():
     try:
         import tensorrt
     except ImportError as err:  # require_gpu found the package, but it does not load (CUDA libraries)
-        from .tensorrt_compat import TensorRTUnavailable
-
         raise TensorRTUnavailable(f"the tensorrt package does not load ({err}): reinstall it for this CUDA "
                                   "version (pip install 'tensorrt-cu12>=10.14,<11')") from None
     return tensorrt

@@ -17,15 +17,14 @@ and reports, per op type:
     ok            no                imported as is; the detail lists the dtypes seen
 
 ``check_engine(folder)`` runs it over both graphs of an engine folder; ``format_table`` prints the
-result, failures first. ``require_gpu()`` says in one line what to do when TensorRT cannot run here.
+result, failures first. (``engine.tensorrt.require_gpu()`` says in one line what to do when TensorRT
+cannot run here.)
 
 No torch import: this runs where only onnx is installed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -34,7 +33,6 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from ..errors import EnvironmentUnavailable
 from .tensorrt_rules import RESTRICTION_CHECKS
 
 OPS_FILE = Path(__file__).with_name("tensorrt_ops.json")
@@ -61,10 +59,6 @@ _CONSTANT_INPUTS = {
 }
 _NOT_FOLDABLE = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 _SUBGRAPH_OPS = ("If", "Loop", "Scan")
-
-
-class TensorRTUnavailable(EnvironmentUnavailable, ValueError):
-    """TensorRT cannot run on this machine (no NVIDIA GPU/CUDA, or no ``tensorrt`` package)."""
 
 
 @dataclass(frozen=True)
@@ -163,9 +157,9 @@ def check_engine(folder: str | Path) -> CompatReport:
     """Check both graphs of an engine folder (file names from its manifest) against the support matrix."""
     from google.protobuf.message import DecodeError
 
+    from ..engine.manifest import RE_EXPORT, EngineManifest
     from ..errors import EngineError
     from ..runtime.verify import HashCache, verify_file
-    from .manifest import RE_EXPORT, EngineManifest
 
     manifest = EngineManifest.read(folder)
     folder = Path(folder)
@@ -203,21 +197,6 @@ def format_table(report: CompatReport) -> str:
     lines.append(f"TensorRT {report.tensorrt_version} ONNX parser: {verdict}, {len(report.warnings)} warning(s) "
                  f"(unsupported and dtype fail; restriction warns)")
     return "\n".join(lines)
-
-
-def require_gpu() -> None:
-    """Raise TensorRTUnavailable (a ValueError) with one line when TensorRT cannot run on this machine."""
-    missing = []
-    if shutil.which("nvidia-smi") is None:
-        missing.append("no NVIDIA GPU/CUDA driver (nvidia-smi not found)")
-    if importlib.util.find_spec("tensorrt") is None:
-        missing.append("no `tensorrt` package")
-    if missing:
-        raise TensorRTUnavailable(
-            "TensorRT engines need an NVIDIA GPU with CUDA and the `tensorrt` Python package "
-            f"(pip install \"popcompile[gpu]\"), and this machine has {' and '.join(missing)}: here run "
-            "`popcompile export MODEL --out DIR` (ONNX, runs on CPU with onnxruntime) and "
-            "`popcompile check DIR --target tensorrt` to verify the graphs before moving to a GPU machine")
 
 
 # --------------------------------------------------------------------------------------------- per node

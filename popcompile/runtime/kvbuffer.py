@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.kv import KVLayout
 from ..errors import EngineError
-from ..kv import KVLayout
 
 
 class KVBuffer:

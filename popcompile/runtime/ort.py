@@ -14,9 +14,9 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
+from ..engine.kv import KVLayout
+from ..engine.manifest import EngineManifest
 from ..errors import ConfigError, EngineError, EnvironmentUnavailable
-from ..exporters.manifest import EngineManifest
-from ..kv import KVLayout
 from .defaults import engine_sampling
 from .generate import SamplingConfig
 from .kvbuffer import KVBuffer

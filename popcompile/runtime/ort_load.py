@@ -12,8 +12,8 @@ from pathlib import Path
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
+from ..engine.manifest import RE_EXPORT, EngineManifest
 from ..errors import EngineError
-from ..exporters.manifest import RE_EXPORT, EngineManifest
 from .onnx_refs import ProtoError, external_refs
 
 #: what onnxruntime raises for a graph it cannot load (its pybind exception classes derive from Exception)

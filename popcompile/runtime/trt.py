@@ -29,16 +29,15 @@ only when a session is made.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
 
+from ..engine.manifest import EngineManifest, is_file_name
+from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_section, is_count, require_gpu
 from ..errors import ConfigError, EngineError, InputError
-from ..exporters.manifest import EngineManifest, is_file_name
-from ..exporters.tensorrt import PLANS, TrtSection
 from .defaults import engine_sampling
 from .generate import SamplingConfig
 from .loop import Generation, GenerationResult, encode_prompt, prompt_ids, threshold
@@ -334,43 +333,11 @@ def _check(ok: bool, name: str, what) -> None:
 
 # --------------------------------------------------------------------------------------------- loading
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-#: TrtSection field -> (test, what the value must be), for the fields the runtime reads
-_SECTION_FIELDS = {
-    "tensorrt_version": (lambda v: isinstance(v, str), "a string"),
-    "gpu": (lambda v: isinstance(v, str), "a string"),
-    "compute_capability": (lambda v: isinstance(v, str), "a string"),
-    "workspace_gb": (_is_real, "a number"),
-    "max_batch": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
-    "sentinel_rows": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
-    "plans": (lambda v: isinstance(v, dict), "an object of prefill and decode plans"),
-    "profiles": (lambda v: isinstance(v, dict) and all(isinstance(p, list) for p in v.values()),
-                 "an object of prefill and decode profile lists"),
-}
-
-
-def check_section(folder: Path, section: TrtSection) -> None:
-    """EngineError unless the manifest's tensorrt section has the types the runtime reads (profiles parse)."""
-    fix = f"rebuild the plans with `popcompile build-trt {folder} --force`"
-    for name, (test, what) in _SECTION_FIELDS.items():
-        value = getattr(section, name)
-        if not test(value):
-            raise EngineError(f"{folder}: the manifest's tensorrt.{name}={value!r:.60} must be {what}: {fix}")
-    try:
-        for engine in PLANS:
-            section.profile_list(engine)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise EngineError(f"{folder}: the manifest's tensorrt.profiles do not parse ({err!r:.80}): {fix}") from None
-
-
 def verify_plans(folder: Path, section: TrtSection, cache: HashCache) -> dict[str, Path]:
     """Both plans inside the folder with the sizes and hashes the manifest recorded; their resolved paths."""
     paths = {}
     for name, entry in section.plans.items():
-        if not (isinstance(entry, dict) and is_file_name(entry.get("file")) and _is_count(entry.get("bytes"))
+        if not (isinstance(entry, dict) and is_file_name(entry.get("file")) and is_count(entry.get("bytes"))
                 and isinstance(entry.get("sha256"), str)):
             raise EngineError(f"{folder}: the manifest's tensorrt.plans.{name} is malformed ({entry!r:.80}): "
                               f"run `popcompile build-trt {folder} --force`")
@@ -379,14 +346,8 @@ def verify_plans(folder: Path, section: TrtSection, cache: HashCache) -> dict[st
     return paths
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def import_tensorrt(section: TrtSection):
     """The tensorrt module, checked against the version the plans were built with (plans are version-bound)."""
-    from ..exporters.tensorrt_compat import TensorRTUnavailable, require_gpu
-
     require_gpu()
     try:
         import tensorrt
@@ -443,8 +404,6 @@ def _cudart():
         try:
             from cuda import cudart                    # older cuda-python
         except ImportError:
-            from ..exporters.tensorrt_compat import TensorRTUnavailable
-
             raise TensorRTUnavailable("the TensorRT runtime needs cuda-python for device memory: "
                                       "pip install cuda-python") from None
     return cudart

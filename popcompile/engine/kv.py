@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 #: upper bounds of a sane layout: a manifest asking for more is damaged, not a model (4M tokens of context,

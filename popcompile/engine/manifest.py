@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write
-from ..kv import KV_DTYPES, KVLayout
+from .kv import KV_DTYPES, KVLayout
 
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"
@@ -144,9 +144,9 @@ class EngineManifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
-    # Written by `popcompile build-trt` (exporters/tensorrt.py, TrtSection): plans, TensorRT version, GPU
-    # compute capability and optimization profiles. Empty for a folder without TensorRT engines; older
-    # manifests have no such key and read as empty.
+    # Written by `popcompile build-trt` (exporters/tensorrt.py; its schema is engine/tensorrt.py's TrtSection):
+    # plans, TensorRT version, GPU compute capability and optimization profiles. Empty for a folder without
+    # TensorRT engines; older manifests have no such key and read as empty.
     tensorrt: dict = field(default_factory=dict)
     boundary: str = "separate"  # version 1 manifests have no key: their prefill graphs are "separate"
     # Prompts shorter than this prefill in full (POP gains ~nothing there and costs quality); 0: always POP.
