@@ -1,0 +1,150 @@
+"""The package's layering, read from the source: what engine/ and runtime/ may import (issue 15).
+
+    engine/    the engine-folder contract: no torch, transformers, onnx, onnxruntime, tensorrt or cuda;
+               from popcompile only engine/ itself, errors and fsutil
+    runtime/   never the exporters, the CLI commands or the quality tools (evaluate, eval_*, sweep,
+               humaneval, analyze)
+
+Every import counts: module level, inside functions, ``from .. import x`` and
+``importlib.import_module("...")`` with a literal name.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "popcompile"
+HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "tensorrt", "cuda")
+ENGINE_MAY_USE = ("popcompile.engine", "popcompile.errors", "popcompile.fsutil")
+RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.evaluate", "popcompile.eval_*",
+                        "popcompile.sweep", "popcompile.humaneval", "popcompile.analyze")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _resolve(module: str | None, level: int, importer: str, package: bool) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` written in module ``importer``."""
+    if level == 0:
+        return module or ""
+    base = importer.split(".") if package else importer.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a popcompile module or package (so ``from pkg import name`` imports it)."""
+    if not name.startswith("popcompile"):
+        return False
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(source: str, importer: str, package: bool = False) -> set[str]:
+    """Every module the source imports, absolute: ``from popcompile import errors`` gives ``popcompile.errors``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module, node.level, importer, package)
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.add(node.args[0].value)
+    return found
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """``name`` is ``pattern`` or inside it; a trailing ``*`` matches any name that starts with the rest."""
+    if pattern.endswith("*"):
+        return name.startswith(pattern[:-1])
+    return name == pattern or name.startswith(pattern + ".")
+
+
+def violations(folder: str, allowed, forbidden) -> list[str]:
+    """``file: module`` for each import of a .py file under popcompile/folder that breaks the rule."""
+    bad = []
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        for name in sorted(imports(path.read_text(), module_name(path), is_package(path))):
+            if forbidden(name) or not allowed(name):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}: {name}")
+    return bad
+
+
+def _heavy(name: str) -> bool:
+    return any(_matches(name, h) for h in HEAVY)
+
+
+def test_engine_imports_nothing_heavy_and_only_errors_fsutil_from_popcompile():
+    def allowed(name: str) -> bool:
+        return not name.startswith("popcompile") or any(_matches(name, ok) for ok in ENGINE_MAY_USE)
+
+    assert (PACKAGE / "engine" / "manifest.py").is_file()
+    assert violations("engine", allowed, _heavy) == []
+
+
+def test_runtime_imports_no_exporters_commands_or_quality_tools():
+    def forbidden(name: str) -> bool:
+        return any(_matches(name, bad) for bad in RUNTIME_MUST_NOT_USE)
+
+    assert violations("runtime", lambda name: True, forbidden) == []
+
+
+def test_old_paths_are_gone():
+    """The contract moved to engine/ without shims left behind."""
+    assert not (PACKAGE / "exporters" / "manifest.py").exists()
+    assert not (PACKAGE / "kv.py").exists()
+
+
+@pytest.mark.parametrize("source, importer, package, expected", [
+    ("from ..exporters.manifest import MANIFEST", "popcompile.runtime.x", False, {"popcompile.exporters.manifest"}),
+    ("def f():\n    from .. import evaluate", "popcompile.runtime.x", False, {"popcompile.evaluate"}),
+    ("from .. import eval_engine as e", "popcompile.runtime.x", False, {"popcompile.eval_engine"}),
+    ("from . import manifest", "popcompile.engine", True, {"popcompile.engine.manifest"}),
+    ("from .kv import KVLayout", "popcompile.engine.manifest", False, {"popcompile.engine.kv"}),
+    ("from ..errors import EngineError", "popcompile.engine.kv", False, {"popcompile.errors"}),
+    ("import onnx.helper\nfrom torch import nn", "popcompile.engine.kv", False, {"onnx.helper", "torch"}),
+    ("importlib.import_module('tensorrt')", "popcompile.engine.kv", False, {"tensorrt"}),
+])
+def test_imports_are_read_as_absolute_names(source, importer, package, expected):
+    """The checker itself: relative, function-local and importlib imports all resolve (else the rules above
+    would pass vacuously)."""
+    assert imports(source, importer, package) == expected
+
+
+def test_checker_flags_what_it_should():
+    assert _heavy("onnxruntime.capi") and _heavy("torch") and not _heavy("torchvision") and not _heavy("numpy")
+    assert _matches("popcompile.eval_data", "popcompile.eval_*") and not _matches("popcompile.evaluated", "popcompile.evaluate")
+
+
+def test_importing_engine_loads_no_torch_or_onnx():
+    """In a fresh interpreter: the package and all of its modules, then sys.modules."""
+    code = textwrap.dedent(
+        """
+        import importlib, json, pkgutil, sys
+        import popcompile.engine as engine
+        for info in pkgutil.iter_modules(engine.__path__):
+            importlib.import_module(f"popcompile.engine.{info.name}")
+        print(json.dumps(sorted(sys.modules)))
+        """
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert [m for m in loaded if _heavy(m)] == []
+    assert [m for m in loaded if m.startswith("popcompile.") and not any(_matches(m, ok) for ok in ENGINE_MAY_USE)] == []
+    assert {"popcompile.engine.kv", "popcompile.engine.manifest", "popcompile.engine.tensorrt"} <= set(loaded)
