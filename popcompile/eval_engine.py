@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import eval_data
-from .engine.manifest import MANIFEST
+from .engine.manifest import MANIFEST, engine_file
 from .errors import ConfigError
 from .evaluate import (BASELINE, VARIANTS, _timed, _write, batch_size_for, generation_task,
                        score_continuations)
@@ -180,7 +180,7 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
     from .cost import speedup_bound
 
     manifest = session.manifest
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = json.loads(engine_file(folder, "config.json", "config.json").read_text())
     calibration = manifest.extra.get("kv_calibration")
     describe = lambda name: {
         "mode": ENGINE_VARIANTS[name], "cut": manifest.num_layers if name == "full" else manifest.cut,

@@ -173,3 +173,21 @@ def test_cli_run_prompt_file_then_instruction(engine, tmp_path, capsys):
     attached.write_text("t1 t2 t3 t4")
     out = _run_json(capsys, engine, "--prompt-file", attached, "--prompt", "t9 t8")
     assert out["prompt_token_ids"] == PopSession(engine).encode("t1 t2 t3 t4\n\nt9 t8", chat=False)
+
+
+def test_flop_bound_reads_config_json_only_inside_the_folder(tmp_path):
+    """config.json is not in the manifest's hashed list: read for the FLOP bound only from inside the folder."""
+    from popcompile.runtime.compare import engine_flop_bound
+
+    folder = tmp_path / "engine"
+    folder.mkdir()
+    assert engine_flop_bound(folder, 512, 20) is None  # no config: no bound, not an error
+    config = {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+              "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(EngineError, match="outside the engine folder"):
+        engine_flop_bound(folder, 512, 20)
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config))
+    assert 1.3 < engine_flop_bound(folder, 512, 20) < 1.5  # 1/3 of 30 layers pruned

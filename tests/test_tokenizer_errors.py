@@ -68,6 +68,25 @@ def test_non_utf8_files(folder, name):
     one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), str(path), "not UTF-8", "byte 18")
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                                  "chat_template.jinja"])
+def test_a_tokenizer_file_that_links_out_of_the_folder_is_refused(folder, tmp_path, name):
+    """The tokenizer files are not in the manifest's hashed list: a symlink out of the folder is refused by path,
+    even when the file it leads to is a valid copy."""
+    outside = tmp_path / f"outside-{name}"
+    outside.write_bytes((folder / name).read_bytes() if (folder / name).exists() else b"{% for m in messages %}{% endfor %}")
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(outside)
+    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), name, "outside the engine folder")
+
+
+def test_a_symlink_inside_the_folder_is_fine(folder):
+    (folder / "real-tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to("real-tokenizer.json")
+    assert encode_prompt(EngineTokenizer.from_folder(folder), "hi", chat=True)[0] == 352
+
+
 @pytest.mark.parametrize("value", ["x", 1.5, [2, "x"], 10**6, -1, True])
 def test_bad_eos_token_id_in_generation_config(folder, value):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cost import speedup_bound
+from ..engine.manifest import engine_file
 from ..errors import ConfigError, EngineError
 from ..threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
 from .loop import GenerationResult
@@ -93,8 +94,9 @@ def compare(session, prompt, sampling, *, chat: bool | None = None, repeats: int
 
 def engine_flop_bound(folder: Path, n_tokens: int, cut: int) -> float | None:
     """full/POP prefill FLOPs from the engine's config.json; None when it is absent or unreadable."""
+    path = engine_file(folder, "config.json", "config.json")  # refused when it leads out of the folder
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
+        config = json.loads(path.read_text())
         return speedup_bound(config, n_tokens, cut)
     except (OSError, ValueError, TypeError):  # a folder without the HF config: no bound to print
         return None
@@ -156,7 +158,7 @@ def measured_min_prompt_tokens(session, runtime: str, min_speedup: float = DEFAU
 
 
 def _vocab(session) -> int:
-    path = Path(session.folder) / "config.json"
+    path = engine_file(session.folder, "config.json", "config.json")
     try:
         return int(json.loads(path.read_text())["vocab_size"])
     except (OSError, ValueError, TypeError, KeyError):

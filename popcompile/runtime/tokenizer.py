@@ -29,6 +29,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, processors
 
+from ..engine.manifest import engine_file
 from ..errors import ConfigError, EngineError
 from .chat_template import ChatTemplate
 
@@ -90,21 +91,21 @@ class EngineTokenizer:
         the files cannot be read or parsed.
         """
         folder = Path(path).expanduser()
-        tokenizer_file = folder / "tokenizer.json"
+        tokenizer_file = _inside(folder, "tokenizer.json")
         if not tokenizer_file.is_file():
             raise EngineError(
                 f"engine folder {str(folder)!r} has no tokenizer.json: the engine folder is "
                 "incomplete; re-export the engine"
             )
-        config = _read_json(folder / "tokenizer_config.json")
-        special_map = _read_json(folder / "special_tokens_map.json")
+        config = _read_json(_inside(folder, "tokenizer_config.json"))
+        special_map = _read_json(_inside(folder, "special_tokens_map.json"))
         for key, value in special_map.items():  # tokenizer_config wins, as in transformers
             config.setdefault(key, value)
         template, origin = _find_chat_template(folder, config)
         return cls(
             _load_tokenizer(tokenizer_file),
             config,
-            _read_json(folder / GENERATION_CONFIG),
+            _read_json(_inside(folder, GENERATION_CONFIG)),
             template,
             folder=folder,
             template_origin=origin,
@@ -248,6 +249,12 @@ class StreamDecoder:
 
 
 # ---------------------------------------------------------------------- helpers
+def _inside(folder: Path, name: str) -> Path:
+    """``folder/name``, refused (EngineError) when it resolves outside the folder (a symlink out of it): the
+    tokenizer files are not in the manifest's hashed list, so this is their only guard."""
+    return engine_file(folder, name, name)
+
+
 def _read_text(path: Path) -> str:
     """The UTF-8 text of ``path``; EngineError naming the file when it cannot be read."""
     try:
@@ -327,13 +334,13 @@ def _sync_post_processor(
 def _find_chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None, str]:
     """(template, the file it came from): chat_template.jinja, else tokenizer_config's, else
     chat_template.json's."""
-    jinja_file = folder / "chat_template.jinja"
+    jinja_file = _inside(folder, "chat_template.jinja")
     if jinja_file.is_file():
         return _read_text(jinja_file), str(jinja_file)
-    origin = folder / "tokenizer_config.json"
+    origin = _inside(folder, "tokenizer_config.json")
     template = config.get("chat_template")
     if template is None:
-        origin = folder / "chat_template.json"
+        origin = _inside(folder, "chat_template.json")
         template = _read_json(origin).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         if not all(isinstance(item, dict) for item in template):
