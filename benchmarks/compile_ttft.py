@@ -44,7 +44,9 @@ def decode(fn, out, ids: torch.Tensor, steps: int) -> float:
 
 
 def compiled(model, name: str, cut: int):
-    backend = "inductor" if name == "inductor" else PopBackend(PopOptions(cut=cut, inner="inductor"))
+    # min_prompt_tokens=0: POP at every --tokens length (the backend's default runs short prompts in full)
+    backend = "inductor" if name == "inductor" else PopBackend(PopOptions(cut=cut, inner="inductor",
+                                                                          min_prompt_tokens=0))
     return torch.compile(model.forward, backend=backend, dynamic=True)
 
 

@@ -15,9 +15,10 @@ Runtimes (the table RUNTIMES):
                     ``eval_engine.EngineRun`` (the session's graphs and IO-bound KV buffer, no runtime
                     threshold in the way): pop = prefill graph on x_1..x_N, full = decode graph on x_1..x_N
     torch-compile   speed: ``torch.compile(model.forward, dynamic=True)`` with backend "inductor" (full) and
-                    ``PopBackend(cut, inner="inductor")`` (pop), one compiled graph per backend for every
-                    length (compile time reported apart); quality: reference.py ``Variant(cut)`` (the paper's
-                    POP, which the backend computes by default: tests/test_dynamo.py) against ``Variant(L)``
+                    ``PopBackend(cut, inner="inductor", min_prompt_tokens=0)`` (pop: POP at every length), one
+                    compiled graph per backend for every length (compile time reported apart); quality:
+                    reference.py ``Variant(cut)`` (the paper's POP, which the backend computes by default:
+                    tests/test_dynamo.py) against ``Variant(L)``
 
 Each part runs in a process of its own (``all`` starts them one after another: quality, then speed, then
 the report), so no two onnxruntime thread pools or compiled models share a process:
@@ -138,7 +139,8 @@ def compiled_ttft(model, tok, cut: int, args, details: dict) -> Callable[[str, i
 
     from popcompile.dynamo import PopBackend, PopOptions
 
-    backend = PopBackend(PopOptions(cut=cut, inner=args.inner))
+    # min_prompt_tokens=0: POP at every length (the backend's default runs short prompts in full)
+    backend = PopBackend(PopOptions(cut=cut, inner=args.inner, min_prompt_tokens=0))
     fns = {"full": torch.compile(model.forward, backend=args.inner, dynamic=True),
            "pop": torch.compile(model.forward, backend=backend, dynamic=True)}
     details["inner"] = args.inner

@@ -37,9 +37,11 @@ from .passes.pop import resolve_cut
 from .passes.static_seq import symbolize_sequence
 
 
-#: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it).
-#: 0: POP for every prompt. A measured default (issue 20: the shortest length where POP pays) replaces it.
-MIN_PROMPT_TOKENS = 0
+#: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it; 0: POP
+#: for every prompt). docs/prompt_length.md: the threshold rule (popcompile/threshold.py, 1.2x) on this backend
+#: (inner eager, 16-2048 tokens) gives 16 for SmolLM2 (1.22x at 16) and 64 for Gemma 3 (1.172x / 1.198x / 1.221x at
+#: 16 / 32 / 64); one default for every model: the larger.
+MIN_PROMPT_TOKENS = 64
 _OPTION_NAMES = ("prune_ratio", "cut", "inner", "kv_calibration", "min_prompt_tokens")
 
 

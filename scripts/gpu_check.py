@@ -336,7 +336,8 @@ def compile_phase(plan: Plan, budget: Budget, model) -> dict:
         torch.cuda.empty_cache()  # the graphs phase's copies are gone
     model = model.to(plan.device)
     randomise(model, plan.device)
-    backend = PopBackend(PopOptions(cut=cut_of(plan), inner=plan.inner))
+    # min_prompt_tokens=0: POP at every measured length (the backend's default runs short prompts in full)
+    backend = PopBackend(PopOptions(cut=cut_of(plan), inner=plan.inner, min_prompt_tokens=0))
     fns = {name: torch.compile(model.forward, backend=b, dynamic=True)
            for name, b in (("full", plan.inner), ("pop", backend))}
     first = torch.randint(0, plan.geometry["vocab_size"], (plan.batches[0], plan.tokens[0]), device=plan.device)

@@ -17,6 +17,7 @@ from popcompile.passes.layers import layer_part
 
 TOL = 1e-5  # fp32, same kernels, different op order (last-position copies)
 PROMPT_LEN, NEW = 11, 5
+ALWAYS = 0  # min_prompt_tokens: POP for every prompt (these prompts are shorter than the default threshold)
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def prompt(seed=1, length=PROMPT_LEN):
 def test_generate_equals_pop_reference(arch):
     model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
     recorder = Recorder()
-    backend = PopBackend(PopOptions(cut=cut, inner=recorder))
+    backend = PopBackend(PopOptions(cut=cut, inner=recorder, min_prompt_tokens=ALWAYS))
     tokens, logits = compiled_generate(model, ids, backend, cache_implementation="static")
     expected = reference_logits(model, ids, reference.Variant(cut), tokens)
     full = reference_logits(model, ids, reference.Variant(6), tokens)
@@ -82,7 +83,8 @@ def test_generate_equals_pop_reference(arch):
 def test_prefill_graph_runs_deep_layers_on_the_last_position_only():
     model, ids, cut = tiny_model("llama", layers=6), prompt(), 3
     recorder = Recorder()
-    compiled_generate(model, ids, PopBackend(PopOptions(cut=cut, inner=recorder)), cache_implementation="static")
+    compiled_generate(model, ids, PopBackend(PopOptions(cut=cut, inner=recorder, min_prompt_tokens=ALWAYS)),
+                      cache_implementation="static")
     prefill = recorder.graphs[0]
     linears = {}
     for node in prefill.graph.nodes:
@@ -103,8 +105,8 @@ def test_cut_at_depth_equals_plain_generate():
     model, ids = tiny_model("qwen3", layers=4), prompt()
     plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
                            return_dict_in_generate=True, cache_implementation="static")
-    tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=4, inner="eager")),
-                                       cache_implementation="static")
+    backend = PopBackend(PopOptions(cut=4, inner="eager", min_prompt_tokens=ALWAYS))
+    tokens, logits = compiled_generate(model, ids, backend, cache_implementation="static")
     assert tokens == plain.sequences[0, PROMPT_LEN:].tolist()
     for got, want in zip(logits, plain.logits):
         assert (got - want[0]).abs().max() < TOL
@@ -118,7 +120,8 @@ def test_kv_calibration_equals_pop_plus_reference(tmp_path):
     with torch.no_grad():
         fit = fit_kv(model, batches, cut)
     save_fit(fit, tmp_path / "fit.safetensors")
-    backend = PopBackend(PopOptions(cut=cut, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors")))
+    backend = PopBackend(PopOptions(cut=cut, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors"),
+                                    min_prompt_tokens=ALWAYS))
     tokens, logits = compiled_generate(model, ids, backend, cache_implementation="static")
     expected = reference_logits(model, ids, reference.Variant(cut, kv_weights=fit.weights), tokens)
     plain = reference_logits(model, ids, reference.Variant(cut), tokens)
@@ -133,21 +136,23 @@ def test_kv_calibration_for_another_cut_is_an_error_naming_the_fix(tmp_path):
     with torch.no_grad():
         fit = fit_kv(model, [torch.randint(0, 97, (2, 24))], 4)
     save_fit(fit, tmp_path / "fit.safetensors")
-    backend = PopBackend(PopOptions(cut=3, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors")))
+    backend = PopBackend(PopOptions(cut=3, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors"),
+                                    min_prompt_tokens=ALWAYS))
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="calibrate --cut 3"):
         compiled_generate(model, ids, backend, cache_implementation="static")
 
 
 def test_default_dynamic_cache_works_too():
     model, ids, cut = tiny_model("llama", layers=6), prompt(), 3
-    tokens, logits = compiled_generate(model, ids, PopBackend(PopOptions(cut=cut, inner="eager")))
+    backend = PopBackend(PopOptions(cut=cut, inner="eager", min_prompt_tokens=ALWAYS))
+    tokens, logits = compiled_generate(model, ids, backend)
     expected = reference_logits(model, ids, reference.Variant(cut), tokens)
     assert max((g - w).abs().max() for g, w in zip(logits, expected)) < TOL
 
 
 def test_another_prompt_length_does_not_recompile():
     model, cut = tiny_model("llama", layers=6), 3
-    backend = PopBackend(PopOptions(cut=cut, inner="eager"))
+    backend = PopBackend(PopOptions(cut=cut, inner="eager", min_prompt_tokens=ALWAYS))
     model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
     torch._dynamo.utils.counters.clear()
     model.generate(prompt(1, 11), max_new_tokens=NEW, do_sample=False, cache_implementation="static")
@@ -177,7 +182,7 @@ def test_static_sequence_length_is_pruned_too():
     """dynamic=False: every prompt length is its own static graph, and each is pruned (test_dynamo_calls.py
     covers the default, dynamic unset)."""
     model, ids = tiny_model("llama", layers=6), prompt()
-    backend = PopBackend(PopOptions(cut=3, inner="eager"))
+    backend = PopBackend(PopOptions(cut=3, inner="eager", min_prompt_tokens=ALWAYS))
     tokens, logits = compiled_generate(model, ids, backend, dynamic=False, cache_implementation="static")
     expected = reference_logits(model, ids, reference.Variant(3), tokens)
     assert max((g - w).abs().max() for g, w in zip(logits, expected)) < TOL
@@ -186,7 +191,7 @@ def test_static_sequence_length_is_pruned_too():
 
 def test_all_position_logits_run_the_full_graph():
     model, ids = tiny_model("llama", layers=6), prompt()
-    backend = PopBackend(PopOptions(cut=3, inner="eager"))
+    backend = PopBackend(PopOptions(cut=3, inner="eager", min_prompt_tokens=ALWAYS))  # full only for the logits
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with pytest.warns(PopFallbackWarning, match="logits_to_keep=1"):
         got = compiled(ids).logits  # every position, as a training-style forward asks
@@ -227,7 +232,7 @@ def test_smollm2_generate_equals_eager_pop_token_for_token(smollm2):
             "call json.load on the file object; to write one, call json.dump with the object and the file.")
     ids = tokenizer(text, return_tensors="pt").input_ids
     cut = 20  # the default: 1/3 of 30 layers pruned
-    backend = PopBackend(PopOptions(inner="eager"))
+    backend = PopBackend(PopOptions(inner="eager", min_prompt_tokens=ALWAYS))  # a prompt under the default
     model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
     try:
         got = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="static")
@@ -237,7 +242,8 @@ def test_smollm2_generate_equals_eager_pop_token_for_token(smollm2):
     assert got[0, ids.shape[1]:].tolist() == want
     assert backend.records[0].kind == "prefill-pop" and backend.records[0].cut == cut
     torch._dynamo.reset()
-    model.forward = torch.compile(model.forward, backend=PopBackend(PopOptions(cut=30, inner="eager")), dynamic=True)
+    depth = PopBackend(PopOptions(cut=30, inner="eager", min_prompt_tokens=ALWAYS))
+    model.forward = torch.compile(model.forward, backend=depth, dynamic=True)
     try:
         got_full = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="static")
     finally:

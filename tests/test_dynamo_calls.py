@@ -17,6 +17,7 @@ from popcompile.dynamo import MIN_PROMPT_TOKENS, PopBackend, PopFallbackWarning,
 TOL = 1e-5  # fp32, same kernels, different op order (last-position copies)
 NEW = 4
 CUT, LAYERS = 3, 6
+ALWAYS = 0  # min_prompt_tokens: POP for every prompt (most prompts here are shorter than the default)
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +69,7 @@ def test_no_dynamic_flag_prunes_from_the_first_prompt_and_recompiles_once(arch):
     automatic dynamic), after which one dynamic prefill graph serves every length."""
     model = tiny_model(arch, layers=LAYERS)
     want = expected(model, (11, 13, 19, 27))
-    backend = PopBackend(PopOptions(cut=CUT, inner="eager"))
+    backend = PopBackend(PopOptions(cut=CUT, inner="eager", min_prompt_tokens=ALWAYS))
     model.forward = torch.compile(model.forward, backend=backend)  # no dynamic=
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -96,7 +97,7 @@ def test_static_length_that_is_also_another_size_falls_back_with_a_warning(lengt
     pop = reference_logits(model, ids, CUT, [])[0]
     full = reference_logits(model, ids, LAYERS, [])[0]
     assert (pop - full).abs().max() > 1e-3
-    backend = PopBackend(PopOptions(cut=CUT, inner="eager"))
+    backend = PopBackend(PopOptions(cut=CUT, inner="eager", min_prompt_tokens=ALWAYS))
     compiled = torch.compile(model, backend=backend)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
@@ -114,7 +115,8 @@ def test_whole_module_compile_prunes_its_calls():
     wrapper calls the original module: docs/torch_compile.md)."""
     model, ids = tiny_model("qwen3", layers=LAYERS), prompt(11)
     want = reference_logits(model, ids, CUT, [])[0]
-    compiled = torch.compile(model, backend="pop", options={"cut": CUT, "inner": "eager"})
+    compiled = torch.compile(model, backend="pop", options={"cut": CUT, "inner": "eager",
+                                                                "min_prompt_tokens": ALWAYS})
     with torch.no_grad():
         got = compiled(ids, logits_to_keep=1).logits[0, -1]
     assert (got - want).abs().max() < TOL
@@ -125,7 +127,7 @@ def test_model_compile_generate_equals_pop_reference(cache):
     """``model.compile(backend="pop")`` compiles ``_call_impl``: generate() runs it, no dynamic= needed."""
     model = tiny_model("mistral", layers=LAYERS)
     want = expected(model, (11, 17))
-    backend = PopBackend(PopOptions(cut=CUT, inner="eager"))
+    backend = PopBackend(PopOptions(cut=CUT, inner="eager", min_prompt_tokens=ALWAYS))
     model.compile(backend=backend)
     kwargs = {"cache_implementation": "static"} if cache == "static" else {}
     try:
@@ -158,8 +160,32 @@ def test_min_prompt_tokens_picks_the_full_graph_below_and_pop_at_or_above():
         [("prefill-full", 9), ("prefill-pop", None)]
 
 
+def test_default_min_prompt_tokens_runs_short_prompts_in_full_and_pop_from_the_constant():
+    """backend="pop" with no min_prompt_tokens option: a short prompt (static graph) and one token under
+    MIN_PROMPT_TOKENS (dynamic graph) give the full model's tokens, MIN_PROMPT_TOKENS tokens give POP's."""
+    from popcompile.dynamo import pop  # the instance behind backend="pop"
+
+    model = tiny_model("llama", layers=LAYERS)
+    lengths = (11, MIN_PROMPT_TOKENS, MIN_PROMPT_TOKENS - 1)  # static 11 (full), then dynamic: POP, full
+    want_pop = expected(model, lengths)
+    want_full = expected(model, lengths, cut=LAYERS)
+    pop.records.clear()
+    model.forward = torch.compile(model.forward, backend="pop", options={"cut": CUT, "inner": "eager"})
+    try:
+        for n in lengths:
+            tokens, logits = generate(model, want_pop[n][0], cache_implementation="static")
+            ref, other = (want_pop, want_full) if n >= MIN_PROMPT_TOKENS else (want_full, want_pop)
+            assert tokens == ref[n][1] and max_error(logits, ref[n][2]) < TOL, n
+            assert (logits[0] - other[n][2][0]).abs().max() > 1e-3, f"{n}: POP and full must differ here"
+    finally:
+        del model.forward
+    assert [(r.kind, r.static_len) for r in pop.records if r.kind.startswith("prefill")] == \
+        [("prefill-full", 11), ("prefill-pop", None)]
+
+
 def test_min_prompt_tokens_option_is_validated_and_defaults_to_the_constant():
-    assert PopOptions().min_prompt_tokens == MIN_PROMPT_TOKENS == 0
+    assert MIN_PROMPT_TOKENS == 64  # docs/prompt_length.md: the 1.2x rule on this backend's measured curve
+    assert PopOptions().min_prompt_tokens == PopOptions.from_dict({}).min_prompt_tokens == MIN_PROMPT_TOKENS
     assert PopOptions.from_dict({"min_prompt_tokens": 256}).min_prompt_tokens == 256
     for bad in (-1, 2.5, True, "64"):
         with pytest.raises(ValueError, match="min_prompt_tokens"):
@@ -186,7 +212,7 @@ def test_real_model_generate_without_dynamic_equals_eager_pop(name):
     from popcompile.dynamo import pop  # the instance behind backend="pop"
 
     pop.records.clear()
-    model.forward = torch.compile(model.forward, backend="pop", options={"inner": "eager"})
+    model.forward = torch.compile(model.forward, backend="pop", options={"inner": "eager", "min_prompt_tokens": ALWAYS})
     try:
         got = [model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
                [0, ids.shape[1]:].tolist() for ids in prompts]
@@ -206,7 +232,7 @@ def test_static_batches_prune_unless_batch_equals_the_length(batch, length, prun
     results = {}
     for name, cut, dynamic in (("static", CUT, None), ("dynamic", CUT, True), ("full", LAYERS, True)):
         torch._dynamo.reset()
-        backend = PopBackend(PopOptions(cut=cut, inner="eager"))
+        backend = PopBackend(PopOptions(cut=cut, inner="eager", min_prompt_tokens=ALWAYS))
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             results[name] = torch.compile(model, backend=backend, dynamic=dynamic)(ids, logits_to_keep=1).logits
