@@ -197,22 +197,29 @@ REAL = {"smollm2-135m": 20, "gemma3-270m": 12}  # default cut: 1/3 of 30 / 18 la
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_model_generate_without_dynamic_equals_eager_pop(name):
-    """The issue's call, no dynamic=: the first prompt and a second of another length give the eager POP
-    reference's greedy tokens exactly (inner "eager": the reference's kernels)."""
+    """The issue's call, no dynamic= and the default min_prompt_tokens: the first prompt and a second of another
+    length give the eager POP reference's greedy tokens exactly (inner "eager": the reference's kernels)."""
     from popcompile.models import load_model
 
     loaded = load_model(name)
     model, tokenizer = loaded.model, loaded.tokenizer
     texts = ["The json module encodes and decodes JSON. To read a file, open it and call json.load on the "
-             "file object; to write one, call json.dump with the object and the file. Both take",
-             "A compiler turns source code into a program. Its front end parses the text into a tree; the"]
+             "file object; to write one, call json.dump with the object and the file. Both take keyword "
+             "arguments: indent pretty-prints nested objects, sort_keys orders the keys of every object, and "
+             "ensure_ascii escapes every character outside ASCII. Strings are parsed with json.loads and "
+             "written with json.dumps, which return and take text instead of a file. Both take",
+             "A compiler turns source code into a program. Its front end parses the text into a tree and "
+             "checks the types of every expression; its middle end rewrites that tree into a simpler form "
+             "and removes the work a program never needs; its back end chooses instructions for the target "
+             "machine, assigns registers and writes the object file. Between the front end and the"]
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
-    assert prompts[0].shape[1] != prompts[1].shape[1]
+    # both at least MIN_PROMPT_TOKENS long: the backend's defaults prune them, no option needed
+    assert prompts[0].shape[1] != prompts[1].shape[1] and min(p.shape[1] for p in prompts) >= MIN_PROMPT_TOKENS
     want = [reference.generate(model, ids, 10, reference.Variant(REAL[name])) for ids in prompts]
     from popcompile.dynamo import pop  # the instance behind backend="pop"
 
     pop.records.clear()
-    model.forward = torch.compile(model.forward, backend="pop", options={"inner": "eager", "min_prompt_tokens": ALWAYS})
+    model.forward = torch.compile(model.forward, backend="pop", options={"inner": "eager"})
     try:
         got = [model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
                [0, ids.shape[1]:].tolist() for ids in prompts]
