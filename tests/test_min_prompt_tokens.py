@@ -13,7 +13,6 @@ from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.errors import ConfigError, EngineError
 from popcompile.runtime.compare import compare, measure_speedups, measured_min_prompt_tokens
 from popcompile.runtime.generate import SamplingConfig
-from popcompile.runtime.loop import prefill_path
 from popcompile.runtime.ort import PopSession
 from popcompile.threshold import choose_min_prompt_tokens
 from tiny_engine import tiny_engine
