@@ -22,7 +22,7 @@ import torch
 from popcompile.cost import speedup_bound
 from popcompile.dynamo import PopBackend, PopOptions
 from popcompile.models import load_model
-from popcompile.passes.pop import resolve_cut
+from popcompile.config import resolve_cut
 
 
 def prefill(fn, ids: torch.Tensor):

@@ -112,7 +112,7 @@ def torch_setup(args, part: str) -> Setup:
     from popcompile import reference
     from popcompile.evaluate import continuation_logits, last_logits_only
     from popcompile.models import load_model
-    from popcompile.passes.pop import resolve_cut
+    from popcompile.config import resolve_cut
 
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     args = parser.parse_args(argv)
     from popcompile.models import load_model
-    from popcompile.passes.pop import resolve_cut
+    from popcompile.config import resolve_cut
 
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer

@@ -16,7 +16,7 @@ _PUBLIC = {
     "capture": "popcompile.capture",
     "KVLayout": "popcompile.engine.kv",
     "pop_pass": "popcompile.passes.pop",
-    "resolve_cut": "popcompile.passes.pop",
+    "resolve_cut": "popcompile.config",
     "build_graphs": "popcompile.pipeline",
     "export": "popcompile.exporters.onnx",
     "PopSession": "popcompile.runtime.ort",

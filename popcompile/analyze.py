@@ -38,7 +38,7 @@ from .errors import ConfigError, InputError, ModelError
 from .eval_data import encode, humaneval_problems
 from .fsutil import atomic_path, atomic_write
 from .passes.gates import BRANCHES, STAGES, GateResult, gate_pass
-from .passes.pop import resolve_cut
+from .config import resolve_cut
 
 #: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).
 DEFAULT_BUDGET = 0.01

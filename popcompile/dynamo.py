@@ -33,7 +33,7 @@ import torch.fx as fx
 from .errors import ConfigError
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
 from .passes.layers import find_layers, module_path
-from .passes.pop import resolve_cut
+from .config import resolve_cut
 from .passes.static_seq import symbolize_sequence
 
 

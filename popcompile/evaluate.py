@@ -330,7 +330,7 @@ def run_eval(model_name: str, out: Path, config: EvalConfig | None = None, **opt
 def _reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     """Every task of ``c`` through reference.py on a loaded model."""
     from .cost import speedup_bound
-    from .passes.pop import resolve_cut
+    from .config import resolve_cut
 
     model, tok = loaded.model, loaded.tokenizer
     layers = _num_layers(model)

@@ -220,7 +220,7 @@ def randomise(module, device: str) -> None:
 
 
 def cut_of(plan: Plan) -> int:
-    from popcompile.passes.pop import resolve_cut
+    from popcompile.config import resolve_cut
 
     return resolve_cut(plan.geometry["num_hidden_layers"])
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from popcompile import reference
 from popcompile.arch import ARCHITECTURES
 from popcompile.passes.layers import find_layers, layer_part, module_path
-from popcompile.passes.pop import pop_pass, resolve_cut
+from popcompile.config import resolve_cut
+from popcompile.passes.pop import pop_pass
 from popcompile.pipeline import build_graphs
 from tiny import TINY, empty_past, greedy_with_graphs, run_graph, tiny_model
 

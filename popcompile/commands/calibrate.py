@@ -38,7 +38,7 @@ def cmd_calibrate(args) -> None:
 
     from ..calibrate import default_batches, fit_kv, save_fit, token_batches
     from ..models import load_model
-    from ..passes.pop import resolve_cut
+    from ..config import resolve_cut
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()

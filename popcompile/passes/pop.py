@@ -25,40 +25,14 @@ same cost: only the ``linear`` nodes' weight and bias inputs change.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from ..errors import ConfigError
+from ..config import resolve_cut
 from .layers import INPUT_NORM, Layer, find_layers, module_path
-
-DEFAULT_PRUNE_RATIO = 1 / 3
-
-
-def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | None = None) -> int:
-    """The first pruned layer: ``cut`` as given, else ``L - floor(L * prune_ratio)`` (default 1/3).
-
-    ``cut == num_layers`` prunes nothing. Raises ConfigError (a ValueError) on values of the wrong type
-    or out of range.
-    """
-    if cut is not None and prune_ratio is not None:
-        raise ConfigError("give either cut= or prune_ratio=, not both")
-    if cut is None:
-        ratio = DEFAULT_PRUNE_RATIO if prune_ratio is None else prune_ratio
-        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
-                and 0.0 <= ratio < 1.0):
-            raise ConfigError(f"prune_ratio={ratio} is out of range: use 0 <= prune_ratio < 1")
-        # The small epsilon keeps 1/3 of 30 layers at exactly 10 despite float rounding.
-        cut = num_layers - math.floor(num_layers * ratio + 1e-9)
-    if isinstance(cut, bool) or not isinstance(cut, int):
-        raise ConfigError(f"cut must be an int layer index, got {cut!r}")
-    if not 1 <= cut <= num_layers:
-        raise ConfigError(f"cut={cut} is out of range for a model with {num_layers} layers: use 1..{num_layers}")
-    return cut
-
 
 @dataclass(frozen=True)
 class Projection:

@@ -1,0 +1,140 @@
+"""What a POP compile is asked for: ``PopConfig``, validated once; the one place a cut is resolved.
+
+    PopConfig(cut=None, prune_ratio=None,     which layers are pruned: cut = first pruned layer, or
+              boundary="folded",              L - floor(L * prune_ratio) (default 1/3; resolve_cut)
+              kv_calibration="auto",          KVCalibration: none | auto | a file from `popcompile calibrate`
+              dtype="float32", max_seq=None,  engine precision, KV buffer length (None: min(4096, model limit))
+              min_prompt_tokens="auto")       prompts shorter than this prefill in full ("auto": measured)
+
+Every entry point builds one (the CLI from flags, ``torch.compile`` from ``options=``, Python users
+directly) and hands it to the driver (``compile.py``) or the backend (``dynamo.py``). An object that
+exists is valid for any model; ``resolve_cut`` checks it against the model's depth once it is known.
+Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .engine.manifest import BOUNDARIES
+from .errors import ConfigError
+
+DEFAULT_PRUNE_RATIO = 1 / 3
+#: engine precisions: the graphs' weights, activations, KV inputs/outputs and logits all take this dtype
+DTYPES = ("float32", "float16")
+#: capture traces 3 new tokens over 4 cached ones (capture.example_inputs): a shorter buffer cannot be exported
+MIN_MAX_SEQ = 8
+KV_MODES = ("none", "auto", "file")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | None = None) -> int:
+    """The first pruned layer: ``cut`` as given, else ``L - floor(L * prune_ratio)`` (default 1/3).
+
+    ``cut == num_layers`` prunes nothing. Raises ConfigError (a ValueError) on values of the wrong type
+    or out of range.
+    """
+    if cut is not None and prune_ratio is not None:
+        raise ConfigError("give either cut= or prune_ratio=, not both")
+    if cut is None:
+        ratio = DEFAULT_PRUNE_RATIO if prune_ratio is None else prune_ratio
+        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
+                and 0.0 <= ratio < 1.0):
+            raise ConfigError(f"prune_ratio={ratio} is out of range: use 0 <= prune_ratio < 1")
+        # The small epsilon keeps 1/3 of 30 layers at exactly 10 despite float rounding.
+        cut = num_layers - math.floor(num_layers * ratio + 1e-9)
+    if not _is_int(cut):
+        raise ConfigError(f"cut must be an int layer index, got {cut!r}")
+    if not 1 <= cut <= num_layers:
+        raise ConfigError(f"cut={cut} is out of range for a model with {num_layers} layers: use 1..{num_layers}")
+    return cut
+
+
+@dataclass(frozen=True)
+class KVCalibration:
+    """POP+ replacement K/V projections for the pruned layers (calibrate.py):
+
+    ``none``  plain POP, the paper's (the layers' own k/v projections of h_cut)
+    ``auto``  fitted at compile time on the built-in corpus (2-5 min on CPU; export's default)
+    ``file``  a fit from ``popcompile calibrate`` (its cut must be the compile's)
+    """
+
+    mode: str = "none"
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in KV_MODES:
+            raise ConfigError(f"kv_calibration mode {self.mode!r} is not one of {', '.join(KV_MODES)}")
+        if (self.mode == "file") != (self.path is not None):
+            raise ConfigError("kv_calibration: a path goes with mode 'file' and only with it")
+
+    @classmethod
+    def of(cls, value: Any) -> KVCalibration:
+        """From what users write: None/"none"/False, "auto"/True, a path (str or Path), or a KVCalibration."""
+        if isinstance(value, KVCalibration):
+            return value
+        if value is None or value is False or value == "none":
+            return cls("none")
+        if value is True or value == "auto":
+            return cls("auto")
+        if isinstance(value, (str, Path)) and str(value):
+            path = Path(value)
+            if not path.is_file():
+                raise ConfigError(f"kv_calibration={value!s} is not a file: give auto, none, or a file from "
+                                  "`popcompile calibrate MODEL --out FILE`")
+            return cls("file", path)
+        raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, or a file from "
+                          "`popcompile calibrate`")
+
+    def __str__(self) -> str:
+        return str(self.path) if self.path is not None else self.mode
+
+
+def _check_min_prompt_tokens(value: object, allow_auto: bool) -> None:
+    if (allow_auto and value == "auto") or (_is_int(value) and value >= 0):
+        return
+    choices = "auto (measure at export) or " if allow_auto else ""
+    raise ConfigError(f"min_prompt_tokens={value!r} is not valid: give {choices}an integer >= 0 "
+                      "(0: POP for every prompt)")
+
+
+@dataclass(frozen=True)
+class PopConfig:
+    """The whole request of one compile (see the module docstring); validated on construction."""
+
+    cut: int | None = None
+    prune_ratio: float | None = None
+    boundary: str = "folded"
+    kv_calibration: KVCalibration | str | Path | bool | None = "auto"
+    dtype: str = "float32"
+    max_seq: int | None = None
+    min_prompt_tokens: int | str = "auto"
+    #: how an automatic cut was chosen (method, figures): recorded in the manifest's ``extra``
+    cut_choice: Mapping[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_calibration", KVCalibration.of(self.kv_calibration))
+        if self.cut is not None and self.prune_ratio is not None:
+            raise ConfigError("give either cut or prune_ratio, not both")
+        if self.cut is not None and (not _is_int(self.cut) or self.cut < 1):
+            raise ConfigError(f"cut={self.cut!r} is not a layer index: give an integer >= 1")
+        if self.prune_ratio is not None and not (isinstance(self.prune_ratio, (int, float))
+                                                 and not isinstance(self.prune_ratio, bool)
+                                                 and math.isfinite(self.prune_ratio) and 0.0 <= self.prune_ratio < 1.0):
+            raise ConfigError(f"prune_ratio={self.prune_ratio} is out of range: use 0 <= prune_ratio < 1")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
+        if self.boundary not in BOUNDARIES:
+            raise ConfigError(f"boundary={self.boundary!r} is not supported: choose one of {', '.join(BOUNDARIES)}")
+        if self.max_seq is not None and (not _is_int(self.max_seq) or self.max_seq < MIN_MAX_SEQ):
+            raise ConfigError(f"max_seq={self.max_seq!r} is too small: give an integer >= {MIN_MAX_SEQ}")
+        _check_min_prompt_tokens(self.min_prompt_tokens, allow_auto=True)
+
+    def resolve_cut(self, num_layers: int) -> int:
+        """The first pruned layer for a model of ``num_layers`` layers (ConfigError when out of range)."""
+        return resolve_cut(num_layers, cut=self.cut, prune_ratio=self.prune_ratio)
