@@ -35,7 +35,7 @@ import onnxruntime
 
 from popcompile.cost import speedup_bound
 from popcompile.engine.manifest import BOUNDARIES
-from popcompile.exporters.onnx import export
+from popcompile.driver import export
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession

@@ -1,6 +1,11 @@
 """popcompile: Prefill-Only Pruning (POP) as a compiler pipeline.
 
-    load_model -> capture -> pop_pass -> export -> PopSession
+    manifest = popcompile.compile("smollm2-135m", popcompile.PopConfig(), out="engines/smol")
+    session = popcompile.open_session("engines/smol")          # runtime="onnxruntime" | "tensorrt"
+    print(session.generate("Hello!")[0].text)
+
+``compile`` (driver.py) runs load -> calibrate -> capture -> POP pass -> export -> manifest; the
+steps are public too (load_model, capture, pop_pass, build_graphs).
 
 Attributes are imported on first use, so ``import popcompile.runtime`` in a deployment pulls in
 neither torch nor transformers.
@@ -12,13 +17,20 @@ import importlib
 __version__ = "0.1.0"
 
 _PUBLIC = {
+    "compile": "popcompile.driver",
+    "PopConfig": "popcompile.config",
+    "KVCalibration": "popcompile.config",
+    "OnnxTarget": "popcompile.exporters.targets",
+    "TensorRTTarget": "popcompile.exporters.targets",
+    "TrtBuildConfig": "popcompile.exporters.tensorrt",
+    "open_session": "popcompile.runtime",
     "load_model": "popcompile.models",
     "capture": "popcompile.capture",
     "KVLayout": "popcompile.engine.kv",
     "pop_pass": "popcompile.passes.pop",
     "resolve_cut": "popcompile.config",
     "build_graphs": "popcompile.pipeline",
-    "export": "popcompile.exporters.onnx",
+    "export": "popcompile.driver",
     "PopSession": "popcompile.runtime.ort",
     "PopcompileError": "popcompile.errors",
     "ConfigError": "popcompile.errors",

@@ -85,7 +85,7 @@ class KVCalibration:
         if isinstance(value, (str, Path)) and str(value):
             path = Path(value)
             if not path.is_file():
-                raise ConfigError(f"kv_calibration={value!s} is not a file: give auto, none, or a file from "
+                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, or a file from "
                                   "`popcompile calibrate MODEL --out FILE`")
             return cls("file", path)
         raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, or a file from "
@@ -95,12 +95,9 @@ class KVCalibration:
         return str(self.path) if self.path is not None else self.mode
 
 
-def _check_min_prompt_tokens(value: object, allow_auto: bool) -> None:
-    if (allow_auto and value == "auto") or (_is_int(value) and value >= 0):
-        return
-    choices = "auto (measure at export) or " if allow_auto else ""
-    raise ConfigError(f"min_prompt_tokens={value!r} is not valid: give {choices}an integer >= 0 "
-                      "(0: POP for every prompt)")
+def _named(field: str, value: object) -> str:
+    """``--max-seq 4 (max_seq=4)``: the culprit as the CLI flag and the Python keyword both."""
+    return f"--{field.replace('_', '-')} {value!r} ({field}={value!r})"
 
 
 @dataclass(frozen=True)
@@ -120,20 +117,23 @@ class PopConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_calibration", KVCalibration.of(self.kv_calibration))
         if self.cut is not None and self.prune_ratio is not None:
-            raise ConfigError("give either cut or prune_ratio, not both")
+            raise ConfigError("give either cut or prune_ratio (--cut / --prune-ratio), not both")
         if self.cut is not None and (not _is_int(self.cut) or self.cut < 1):
-            raise ConfigError(f"cut={self.cut!r} is not a layer index: give an integer >= 1")
+            raise ConfigError(f"{_named('cut', self.cut)} is not a layer index: give an integer >= 1")
         if self.prune_ratio is not None and not (isinstance(self.prune_ratio, (int, float))
                                                  and not isinstance(self.prune_ratio, bool)
                                                  and math.isfinite(self.prune_ratio) and 0.0 <= self.prune_ratio < 1.0):
-            raise ConfigError(f"prune_ratio={self.prune_ratio} is out of range: use 0 <= prune_ratio < 1")
+            raise ConfigError(f"{_named('prune_ratio', self.prune_ratio)} is out of range: use 0 <= ratio < 1")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
+            raise ConfigError(f"{_named('dtype', self.dtype)} is not supported: choose one of {', '.join(DTYPES)}")
         if self.boundary not in BOUNDARIES:
-            raise ConfigError(f"boundary={self.boundary!r} is not supported: choose one of {', '.join(BOUNDARIES)}")
+            raise ConfigError(f"{_named('boundary', self.boundary)} is not supported: choose one of "
+                              f"{', '.join(BOUNDARIES)}")
         if self.max_seq is not None and (not _is_int(self.max_seq) or self.max_seq < MIN_MAX_SEQ):
-            raise ConfigError(f"max_seq={self.max_seq!r} is too small: give an integer >= {MIN_MAX_SEQ}")
-        _check_min_prompt_tokens(self.min_prompt_tokens, allow_auto=True)
+            raise ConfigError(f"{_named('max_seq', self.max_seq)} is too small: give an integer >= {MIN_MAX_SEQ}")
+        if not (self.min_prompt_tokens == "auto" or (_is_int(self.min_prompt_tokens) and self.min_prompt_tokens >= 0)):
+            raise ConfigError(f"{_named('min_prompt_tokens', self.min_prompt_tokens)} is not valid: give auto "
+                              "(measure at export) or an integer >= 0 (0: POP for every prompt)")
 
     def resolve_cut(self, num_layers: int) -> int:
         """The first pruned layer for a model of ``num_layers`` layers (ConfigError when out of range)."""

@@ -30,10 +30,10 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .config import KVCalibration, PopConfig, resolve_cut
 from .errors import ConfigError
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
 from .passes.layers import find_layers, module_path
-from .config import resolve_cut
 from .passes.static_seq import symbolize_sequence
 
 
@@ -56,23 +56,22 @@ class PopOptions:
     prune_ratio: float | None = None
     cut: int | None = None
     inner: str | Callable = "inductor"
-    kv_calibration: str | Path | None = None  # POP+: a file from `popcompile calibrate` (same cut)
+    kv_calibration: KVCalibration | str | Path | None = None  # POP+: a file from `popcompile calibrate` (same cut)
     min_prompt_tokens: int = MIN_PROMPT_TOKENS  # shorter prompts run the full graph (chosen per call)
 
     def __post_init__(self) -> None:
-        if self.cut is not None and self.prune_ratio is not None:
-            raise ConfigError("pop backend: give options 'cut' or 'prune_ratio', not both")
-        if self.prune_ratio is not None and not 0.0 <= self.prune_ratio < 1.0:
-            raise ConfigError(f"pop backend: prune_ratio={self.prune_ratio} is out of range: use 0 <= prune_ratio < 1")
-        if self.cut is not None and (isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1):
-            raise ConfigError(f"pop backend: cut={self.cut!r} must be a layer index >= 1")
-        if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \
-                or self.min_prompt_tokens < 0:
-            raise ConfigError(f"pop backend: min_prompt_tokens={self.min_prompt_tokens!r} must be an int >= 0 "
+        try:  # the same rules as an export's (config.PopConfig), with the backend's name in front
+            config = PopConfig(cut=self.cut, prune_ratio=self.prune_ratio, kv_calibration=self.kv_calibration,
+                               min_prompt_tokens=self.min_prompt_tokens)
+        except ConfigError as err:
+            raise ConfigError(f"pop backend: {err}") from None
+        if config.min_prompt_tokens == "auto":
+            raise ConfigError("pop backend: min_prompt_tokens='auto' is an export option: give an int >= 0 "
                               "(0: POP for every prompt)")
-        if self.kv_calibration is not None and not Path(self.kv_calibration).is_file():
-            raise ConfigError(f"pop backend: kv_calibration={self.kv_calibration!s} is not a file: "
-                             f"make one with `popcompile calibrate MODEL --out FILE`")
+        if config.kv_calibration.mode == "auto":
+            raise ConfigError("pop backend: kv_calibration='auto' fits at export time only: make a file with "
+                              "`popcompile calibrate MODEL --out FILE` and give its path")
+        object.__setattr__(self, "kv_calibration", config.kv_calibration)
         if not (callable(self.inner) or isinstance(self.inner, str)):
             raise TypeError(f"pop backend: inner={self.inner!r} must be a backend name ('inductor', 'eager') or callable")
 
@@ -228,11 +227,11 @@ def _fold(gm: fx.GraphModule, cut: int, kv_weights, static_len: int | None) -> N
 
 
 def _kv_weights(opts: PopOptions, cut: int, num_layers: int):
-    if opts.kv_calibration is None or cut == num_layers:
+    if opts.kv_calibration.mode == "none" or cut == num_layers:
         return None
-    from .calibrate import check_fit, load_fit
+    from .calibrate import check_fit, read_fit
 
-    fit = load_fit(opts.kv_calibration)
+    fit = read_fit(opts.kv_calibration)
     check_fit(fit, cut, num_layers)  # ValueError naming the cut to calibrate for
     return fit.weights
 

@@ -1,4 +1,4 @@
-"""The straight pipeline: load -> capture -> POP pass -> (export -> run, elsewhere).
+"""Capture -> POP pass: the two graphs every exporter consumes (driver.py runs the whole compile).
 
 ``build_graphs`` gives the two graphs that every exporter consumes: the decode graph (the captured
 model, untouched) and the prefill graph (the captured model rewritten by a POP pass):
@@ -18,7 +18,9 @@ from .capture import CapturedModel, capture, export_flat
 from .engine.kv import KVLayout
 from .engine.manifest import BOUNDARIES
 from .passes.boundary import fold_boundary_pass
-from .passes.pop import KVWeights, erase_metadata_asserts, pop_pass, resolve_cut
+from .config import resolve_cut
+from .errors import ConfigError
+from .passes.pop import KVWeights, erase_metadata_asserts, pop_pass
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,19 @@ def prefill_graph(captured: CapturedModel, cut: int, kv_weights: KVWeights | Non
     return export_flat(result.graph_module, captured.layout, captured.vocab_size)
 
 
+def pop_graphs(captured: CapturedModel, cut: int, kv_weights: KVWeights | None = None,
+               boundary: str = "folded") -> GraphPair:
+    """The decode graph (``captured``, untouched) and its prefill graph at ``cut`` (already resolved)."""
+    prefill = prefill_graph(captured, cut, kv_weights, boundary)
+    return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers, boundary)
+
+
 def build_graphs(
     model: torch.nn.Module, *, cut: int | None = None, prune_ratio: float | None = None,
     max_seq: int | None = None, kv_weights: KVWeights | None = None, boundary: str = "folded",
 ) -> GraphPair:
     """Capture ``model`` and derive its prefill graph; cut and boundary are validated before any tracing."""
     if boundary not in BOUNDARIES:
-        raise ValueError(f"boundary={boundary!r} is not one of {BOUNDARIES}")
+        raise ConfigError(f"boundary={boundary!r} is not one of {', '.join(BOUNDARIES)}")
     cut = resolve_cut(model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
-    captured = capture(model, max_seq=max_seq)
-    prefill = prefill_graph(captured, cut, kv_weights, boundary)
-    return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers, boundary)
+    return pop_graphs(capture(model, max_seq=max_seq), cut, kv_weights, boundary)

@@ -48,11 +48,9 @@ def test_cut_equal_to_layers_changes_nothing(tmp_path):
     model = tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match="prunes nothing"):
         fit_kv(model, [torch.randint(0, 97, (1, 8))], 4)
-    from popcompile.exporters.onnx import kv_fit
-    from popcompile.models import LoadedModel, ModelSource
+    from popcompile.calibrate import kv_fit
 
-    loaded = LoadedModel(model, None, ModelSource("tiny", "folder", "tiny", None))
-    assert kv_fit(loaded, 4, "auto") is None
+    assert kv_fit(model, None, 4, "auto") is None
 
 
 def test_save_load_roundtrip_and_mismatch(tmp_path):

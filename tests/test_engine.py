@@ -17,7 +17,7 @@ import torch
 from popcompile import reference
 from popcompile.engine.kv import KVLayout
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
-from popcompile.exporters.onnx import export
+from popcompile.driver import export
 from popcompile.models import load_model
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from popcompile.engine.manifest import EngineError, EngineManifest
-from popcompile.exporters.onnx import cast_model, export
+from popcompile.driver import cast_model, export
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession

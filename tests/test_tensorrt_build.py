@@ -24,7 +24,7 @@ import pytest
 
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
-from popcompile.exporters.onnx import export
+from popcompile.driver import export
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
 from popcompile.models import LoadedModel, ModelSource
 from popcompile.runtime.generate import Sampler, SamplingConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from popcompile.exporters.onnx import export
+from popcompile.driver import export
 from popcompile.models import LoadedModel, ModelSource
 from tiny import tiny_model
 

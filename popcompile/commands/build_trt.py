@@ -1,8 +1,7 @@
 """``popcompile build-trt``: TensorRT plans for an ONNX engine folder (needs an NVIDIA GPU and tensorrt).
 
 Also the pieces the export and run commands use for TensorRT: ``add_build_options`` and
-``export_tensorrt`` (``export --target tensorrt``), ``add_runtime_options`` and ``open_session``
-(``run --runtime tensorrt``).
+``build_config`` (``export --target tensorrt``), ``add_runtime_options`` (``run --runtime tensorrt``).
 """
 from __future__ import annotations
 
@@ -10,12 +9,9 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
-from ..engine.manifest import EngineManifest
-from ..exporters.tensorrt import PRECISIONS, TrtBuildConfig
+from ..exporters.tensorrt import BUILD_STEPS, PRECISIONS, TrtBuildConfig
 
-BUILD_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan", "write manifest")
 
 
 def register(sub) -> None:
@@ -80,27 +76,6 @@ def summary(folder: Path, section) -> str:
             f"  plans: {plans}\n  profiles: prefill {names['prefill']}, decode {names['decode']}; "
             f"decode KV binding {section.decode_kv}\n"
             f"  run: popcompile run {folder} --runtime tensorrt --prompt \"...\"")
-
-
-def export_tensorrt(args, export_onnx: Callable[[], object]):
-    """`export --target tensorrt`: fail before the long ONNX export when TensorRT cannot run here, then export
-    (``export_onnx()``, the command's own ONNX path into ``args.out``), build the plans into that folder and
-    record ``args.min_prompt_tokens`` (auto: measured with the TensorRT runtime). Returns the manifest."""
-    from ..engine.tensorrt import require_gpu
-
-    require_gpu()
-    config = build_config(args)  # validated before the export too
-    export_onnx()
-    build(args.out, config, force=True)
-    value, record = args.min_prompt_tokens, None
-    if value == "auto":
-        from ..runtime.compare import measured_min_prompt_tokens
-        from ..runtime.trt import TrtSession
-
-        value, record = measured_min_prompt_tokens(TrtSession(args.out), "tensorrt")
-    manifest = EngineManifest.read(args.out).with_min_prompt_tokens(value, record)
-    manifest.write(args.out)
-    return manifest
 
 
 def add_runtime_options(parser) -> None:

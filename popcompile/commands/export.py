@@ -61,21 +61,37 @@ def _threshold_arg(text: str) -> int | str:
 
 
 def cmd_export(args) -> None:
-    from ..exporters.checks import check_options, check_output_folder
+    from ..config import PopConfig
+    from ..exporters.checks import check_output_folder
 
     _check_cut_options(args)
-    check_options(dtype=args.dtype, boundary=args.boundary, max_seq=args.max_seq,
-                  cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio,
-                  min_prompt_tokens=args.min_prompt_tokens)
+    config = PopConfig(cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio,
+                       boundary=args.boundary, kv_calibration=args.kv_calibration, dtype=args.dtype,
+                       max_seq=args.max_seq, min_prompt_tokens=args.min_prompt_tokens)
+    target = _target(args)
+    _check_auto_cut_calibration(args, config)
     check_output_folder(args.out, args.force)
+    target.preflight()  # no GPU for TensorRT: fail now, not after the ONNX export
     precheck_model(args.model)
-    with destination_lock(args.out):  # held through a TensorRT build too; a second export fails here, at once
-        if args.target == "tensorrt":
-            # fails before the export without a GPU; "auto" measures the TensorRT plans, not onnxruntime
-            manifest = build_trt.export_tensorrt(args, lambda: _export_onnx(args, min_prompt_tokens=0))
-        else:
-            manifest = _export_onnx(args)
+    with destination_lock(args.out):  # held through the cut choice too; a second export fails here, at once
+        manifest = _compile(args, config, target)
     print(manifest.to_json() if args.json else summary(args.out, manifest))
+
+
+def _target(args):
+    from ..exporters.targets import OnnxTarget, TensorRTTarget
+
+    return TensorRTTarget(build_trt.build_config(args)) if args.target == "tensorrt" else OnnxTarget()
+
+
+def _check_auto_cut_calibration(args, config) -> None:
+    """--cut auto chooses a cut; a calibration file was fitted for one: both cannot hold unless they agree."""
+    if args.cut == "auto" and config.kv_calibration.mode == "file":
+        from ..calibrate import load_fit
+
+        cut = load_fit(config.kv_calibration.path).info.cut
+        raise CliError(f"--cut auto chooses the cut, but --kv-calibration {config.kv_calibration} was fitted for "
+                       f"cut {cut}: give --cut {cut}, or --kv-calibration auto to fit for the chosen cut")
 
 
 def _check_cut_options(args) -> None:
@@ -87,27 +103,27 @@ def _check_cut_options(args) -> None:
         raise CliError("--min-agreement (eval sweep) and --budget (analyze) are two ways to choose: give one")
 
 
-def _export_onnx(args, min_prompt_tokens: int | str | None = None):
+def _compile(args, config, target):
+    from dataclasses import replace
+
     from tqdm import tqdm
 
-    from ..exporters.onnx import export
+    from ..driver import compile, steps
     from ..models import load_model
 
     quiet_libraries()
     loaded = load_model(args.model)
-    cut, choice = _choose_cut(args, loaded) if args.cut == "auto" else (args.cut, None)
-    threshold = args.min_prompt_tokens if min_prompt_tokens is None else min_prompt_tokens
-    steps = ["load", "capture + POP pass", "export decode graph", "export prefill graph", "write engine folder"]
-    steps += ["measure min_prompt_tokens"] if threshold == "auto" else []
-    with tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
+    if args.cut == "auto":
+        cut, choice = _choose_cut(args, loaded)
+        config = replace(config, cut=cut, cut_choice=choice)
+    names = steps(config, target)
+    with tqdm(total=len(names), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
         def progress(name: str) -> None:
-            if bar.n or name != steps[0]:
+            if bar.n or name != names[0]:
                 bar.update(1)
             bar.set_description(name)
 
-        manifest = export(loaded, args.out, cut=cut, prune_ratio=args.prune_ratio, max_seq=args.max_seq,
-                          force=args.force, kv_calibration=args.kv_calibration, progress=progress,
-                          cut_choice=choice, dtype=args.dtype, boundary=args.boundary, min_prompt_tokens=threshold)
+        manifest = compile(loaded, config, out=args.out, target=target, force=args.force, progress=progress)
         bar.update(bar.total - bar.n)
     return manifest
 

@@ -6,21 +6,16 @@
       weights.bin               each distinct tensor once: the graphs share it
       tokenizer.json, tokenizer_config.json, generation_config.json, config.json (the HF config)
 
-The folder is written next to its destination as ``.NAME.PID.partial`` and renamed into place only
-when complete, so a failed export leaves nothing behind and never replaces a good folder. ``force``
-replaces only a popcompile engine folder (its manifest readable), in one atomic exchange, once the new
-one is complete; ``.NAME.lock`` (fsutil.destination_lock) makes a second export to the same folder fail
-at once. Options, the destination and a calibration file are checked before the model loads.
+A writer only: ``write_engine`` fills the staged folder the driver (driver.py) hands it, from the
+graph pair and the POP+ fit the driver made; staging, locking, the threshold and the rename are the
+driver's.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import hashlib
 import importlib.metadata
 import io
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -28,14 +23,10 @@ from typing import Callable
 import onnx
 import torch
 
-from ..calibrate import KVFit, check_fit, check_fit_shapes, default_batches, fit_kv, load_fit
+from ..calibrate import KVFit
 from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
-from ..errors import ConfigError
-from ..fsutil import destination_lock, staged_folder
-from ..models import LoadedModel, load_model
-from ..passes.pop import KVWeights, resolve_cut
-from ..pipeline import GraphPair, build_graphs
-from .checks import DTYPES, check_options, check_output_folder
+from ..models import LoadedModel
+from ..pipeline import GraphPair
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -44,58 +35,9 @@ _ALIGN = 64
 _INLINE_BYTES = 1024
 
 
-def export(
-    model: str | LoadedModel, out_dir: str | Path, *, cut: int | None = None,
-    prune_ratio: float | None = None, max_seq: int | None = None, force: bool = False,
-    kv_calibration: str | Path | None = "auto", progress: Callable[[str], None] | None = None,
-    cut_choice: dict | None = None,
-    dtype: str = "float32", boundary: str = "folded", min_prompt_tokens: int | str = "auto",
-) -> EngineManifest:
-    """Load (if given a name), capture, run the POP pass and write the engine folder ``out_dir``.
-
-    ``dtype="float16"`` casts the model (a copy, when the caller passed a loaded one) before capture,
-    so weights, activations, the KV signature (``KVLayout.dtype``) and logits are float16; the
-    models' norms and RoPE tables still compute in float32 internally, as in PyTorch. POP+ weights are
-    fitted in float32 first, then cast. ``cut_choice``: how an automatic cut was chosen (method and
-    measured figures), recorded in the manifest's ``extra``. onnxruntime's CPU provider refuses float16 engines
-    (docs/benchmarks.md says why): run them with ``provider="cuda"``. ``boundary``: "folded" (default: the
-    prefill graph takes x_1..x_N and returns x_N's logits, one call to the first token) or "separate"
-    (x_1..x_{N-1}; the decode graph runs x_N), recorded in the manifest (docs/kv.md).
-    ``min_prompt_tokens``: prompts shorter than this prefill in full (0: POP for every prompt); "auto"
-    (default) measures POP against full on the written folder with onnxruntime (seconds) and takes
-    threshold.py's rule (docs/prompt_length.md); the measurement goes in ``extra``. A float16 engine,
-    which onnxruntime's CPU provider refuses, records 0 with a warning.
-    """
-    out_dir = Path(out_dir)
-    check_options(dtype=dtype, boundary=boundary, max_seq=max_seq, cut=cut, prune_ratio=prune_ratio,
-                  min_prompt_tokens=min_prompt_tokens)
-    check_output_folder(out_dir, force)
-    fit_file = _fit_file(kv_calibration)  # a bad file fails now, not after the model loads
-    with destination_lock(out_dir):
-        check_output_folder(out_dir, force)  # again: another export may have finished while we waited
-        step = progress or (lambda name: None)
-        step("load")
-        owned = not isinstance(model, LoadedModel)
-        loaded = load_model(model) if owned else model
-        step("capture + POP pass")
-        _check_max_seq(loaded, max_seq)
-        cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
-        fit = kv_fit(loaded, cut, fit_file if fit_file is not None else kv_calibration)
-        network = cast_model(loaded.model, dtype, in_place=owned)
-        kv_weights = fit and cast_weights(fit.weights, dtype)
-        pair = build_graphs(network, cut=cut, max_seq=max_seq, kv_weights=kv_weights, boundary=boundary)
-        with staged_folder(out_dir, replace=force) as tmp:
-            manifest = _write_folder(tmp, loaded, pair, fit, cut_choice, step)
-            value, record = (measure_min_prompt_tokens(tmp, manifest, step) if min_prompt_tokens == "auto"
-                             else (min_prompt_tokens, None))
-            manifest = manifest.with_min_prompt_tokens(value, record)
-            manifest.write(tmp)
-            check_output_folder(out_dir, force)  # nothing but an engine folder is ever swapped out
-    return manifest
-
-
-def _write_folder(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
-                  step: Callable[[str], None]) -> EngineManifest:
+def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
+                 step: Callable[[str], None]) -> EngineManifest:
+    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``."""
     step("export decode graph")
     decode = to_onnx(pair.decode, pair, with_logits=True)
     step("export prefill graph")
@@ -110,59 +52,6 @@ def _write_folder(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | 
     manifest = _manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice)
     manifest.write(tmp)
     return manifest
-
-
-def measure_min_prompt_tokens(folder: Path, manifest: EngineManifest,
-                              step: Callable[[str], None] = lambda name: None) -> tuple[int, dict]:
-    """``min_prompt_tokens="auto"``: the threshold measured on ``folder`` with onnxruntime, and its record."""
-    if manifest.dtype != "float32":
-        note = "onnxruntime's CPU provider refuses float16 engines: POP for every prompt; give --min-prompt-tokens N"
-        warnings.warn(f"--min-prompt-tokens auto: {note}", stacklevel=3)
-        return 0, {"method": "not measured", "note": note}
-    from ..runtime.compare import measured_min_prompt_tokens
-    from ..runtime.ort import PopSession
-    from ..runtime.verify import HashCache
-
-    step("measure min_prompt_tokens")
-    value, record = measured_min_prompt_tokens(PopSession(folder, hash_cache=HashCache(None)), "onnxruntime-cpu")
-    if "note" in record:
-        warnings.warn(f"--min-prompt-tokens auto: {record['note']}", stacklevel=3)
-    return value, record
-
-
-def _check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    if max_seq is not None and isinstance(limit, int) and max_seq > limit:
-        raise ConfigError(f"--max-seq {max_seq} exceeds the model's max_position_embeddings={limit}: "
-                          f"give at most {limit}")
-
-
-def cast_model(model: torch.nn.Module, dtype: str, *, in_place: bool) -> torch.nn.Module:
-    """``model`` with its parameters in ``dtype``; a copy unless ``in_place``.
-
-    Floating buffers (RoPE's ``inv_freq``) stay float32: rounded to float16, ``inv_freq * position``
-    is off by whole radians at positions in the thousands. The caller's model is never changed
-    unless ``in_place``: casting float32 -> float16 -> float32 loses precision.
-    """
-    target = getattr(torch, dtype)
-    if all(p.dtype == target for p in model.parameters()):
-        return model
-    model = model if in_place else copy.deepcopy(model)
-    kept = [(module, name, buffer) for module in model.modules()
-            for name, buffer in module.named_buffers(recurse=False) if buffer.is_floating_point()]
-    model.to(target)  # replaces every tensor; ``kept`` still holds the originals
-    for module, name, buffer in kept:
-        setattr(module, name, buffer.float())
-    return model
-
-
-def cast_weights(weights: KVWeights, dtype: str) -> KVWeights:
-    """POP+ replacement projections in the engine's dtype (they are fitted in float32)."""
-    target = getattr(torch, dtype)
-    return {layer: {name: dataclasses.replace(
-                p, weight=p.weight.to(target), bias=None if p.bias is None else p.bias.to(target))
-                    for name, p in parts.items()}
-            for layer, parts in weights.items()}
 
 
 def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
@@ -227,28 +116,6 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
     for field in ("float_data", "int32_data", "int64_data", "double_data"):
         tensor.ClearField(field)
     tensor.data_location = onnx.TensorProto.EXTERNAL
-
-
-def kv_fit(loaded: LoadedModel, cut: int, kv_calibration: str | Path | KVFit | None) -> KVFit | None:
-    """None/"none": plain POP (the paper's); "auto" (export's default, docs/results.md says why): fit POP+
-    on the built-in corpus now; else a file from `popcompile calibrate` (or its loaded KVFit)."""
-    layers = loaded.model.config.num_hidden_layers
-    if kv_calibration in (None, "none") or cut == layers:
-        return None
-    if kv_calibration == "auto":
-        with torch.no_grad():
-            return fit_kv(loaded.model, default_batches(loaded.tokenizer), cut)
-    fit = kv_calibration if isinstance(kv_calibration, KVFit) else load_fit(kv_calibration)
-    check_fit(fit, cut, layers)
-    check_fit_shapes(fit, loaded.model)
-    return fit
-
-
-def _fit_file(kv_calibration: str | Path | KVFit | None) -> KVFit | None:
-    """The calibration file's fit, loaded and checked for finite values (None for auto/none)."""
-    if kv_calibration in (None, "none", "auto") or isinstance(kv_calibration, KVFit):
-        return None
-    return load_fit(kv_calibration)
 
 
 def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,

@@ -43,13 +43,15 @@ from pathlib import Path
 from typing import Callable
 
 from ..engine.kv import KVLayout
-from ..engine.manifest import MANIFEST, EngineManifest
+from ..engine.manifest import EngineManifest, sha256_file
 from ..engine.tensorrt import PLANS, SENTINEL_ROWS, Profile, ShapeRange, TensorRTUnavailable, TrtSection, require_gpu
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write, destination_lock
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 TIMING_CACHE = "timing.cache"
+#: the progress steps build_engines reports, in order
+BUILD_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan", "write manifest")
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], N
         workspace_gb=float(config.workspace_gb), max_batch=config.max_batch, sentinel_rows=SENTINEL_ROWS,
         decode_kv="static" if static else "gather", plans=plans, profiles=wanted["profiles"],
         onnx_sha256=onnx_sha, timing_cache=str(cache_path), build_seconds=seconds)
-    write_manifest(folder, replace(manifest, tensorrt=asdict(section)))
+    replace(manifest, tensorrt=asdict(section)).write(folder)  # atomic: the old manifest or the new one
     return section
 
 
@@ -181,7 +183,7 @@ def _check_graphs(folder: Path, manifest: EngineManifest) -> dict[str, str]:
         if not path.is_file():
             raise EngineError(f"{folder}: {entry.file} is missing: TensorRT engines are built from the ONNX "
                               f"graphs, re-export with `popcompile export MODEL --out {folder} --force`")
-        shas[name] = _sha256(path)
+        shas[name] = sha256_file(path)
     report = check_engine(folder)
     if not report.ok:
         ops = ", ".join(sorted({f"{f.op} ({f.status})" for f in report.failures}))
@@ -225,10 +227,10 @@ def _build_plans(trt, folder: Path, manifest: EngineManifest, plan: dict, config
         start = time.perf_counter()
         data = _build_one(trt, builder, logger, folder / manifest.graphs[name].file, plan[name], config, cache)
         seconds[name] = round(time.perf_counter() - start, 1)
-        _write_atomic(folder / PLANS[name], data)
+        atomic_write(folder / PLANS[name], data)
         plans[name] = {"file": PLANS[name], "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         # saved after each engine: a failed second build keeps the first one's timings
-        _write_atomic(cache_path, bytes(cache.serialize()))
+        atomic_write(cache_path, bytes(cache.serialize()))
     return plans, seconds
 
 
@@ -313,23 +315,3 @@ def gpu_info(index: int = 0) -> tuple[str, str]:
         return name, capability
     except (subprocess.SubprocessError, OSError, ValueError, IndexError):
         return "unknown", "unknown"
-
-
-# --------------------------------------------------------------------------------------------- files
-
-def write_manifest(folder: Path, manifest: EngineManifest) -> None:
-    """Replace popcompile.json atomically: readers see the old or the new manifest, never half of one."""
-    _write_atomic(Path(folder) / MANIFEST, (manifest.to_json() + "\n").encode())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    atomic_write(path, data)  # a per-process temp name, fsynced, removed if interrupted
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-

@@ -1,0 +1,83 @@
+"""Export targets, registered by name: what ``compile(..., target=NAME)`` writes into the staged folder.
+
+    "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime
+    "tensorrt"  the same ONNX folder, then prefill.plan + decode.plan built from it (exporters/tensorrt.py);
+                runs on the TensorRT runtime; needs an NVIDIA GPU and the ``tensorrt`` package
+
+A target is a frozen dataclass holding its own build options. The driver calls, in order:
+``preflight()`` (before the model loads: fail in a second, not after minutes), ``write(folder, ...)``
+(into the staged folder, returning its manifest) and names ``runtime`` to measure
+``min_prompt_tokens`` with. Heavy imports (torch, onnx, tensorrt) happen inside ``write``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Union
+
+from ..engine.manifest import EngineManifest
+from ..errors import ConfigError
+from .tensorrt import BUILD_STEPS, TrtBuildConfig
+
+if TYPE_CHECKING:
+    from ..calibrate import KVFit
+    from ..models import LoadedModel
+    from ..pipeline import GraphPair
+
+Step = Callable[[str], None]
+ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
+
+
+@dataclass(frozen=True)
+class OnnxTarget:
+    """The ONNX engine folder (the default)."""
+
+    name = "onnx"
+    runtime = "onnxruntime"
+    steps = ONNX_STEPS
+
+    def preflight(self) -> None:
+        """Nothing to check: onnx and onnxruntime are dependencies."""
+
+    def write(self, folder: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None,
+              cut_choice: dict | None, step: Step) -> EngineManifest:
+        from .onnx import write_engine
+
+        return write_engine(folder, loaded, pair, fit, cut_choice, step)
+
+
+@dataclass(frozen=True)
+class TensorRTTarget:
+    """The ONNX folder plus TensorRT plans built from it on this machine's GPU."""
+
+    build: TrtBuildConfig = field(default_factory=TrtBuildConfig)
+    name = "tensorrt"
+    runtime = "tensorrt"
+    steps = ONNX_STEPS + BUILD_STEPS
+
+    def preflight(self) -> None:
+        from ..engine.tensorrt import require_gpu
+
+        require_gpu()  # TensorRTUnavailable naming what is missing, before the long ONNX export
+
+    def write(self, folder: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None,
+              cut_choice: dict | None, step: Step) -> EngineManifest:
+        from .tensorrt import build_engines
+
+        OnnxTarget().write(folder, loaded, pair, fit, cut_choice, step)
+        build_engines(folder, self.build, progress=step, force=True)
+        return EngineManifest.read(folder)
+
+
+Target = Union[OnnxTarget, TensorRTTarget]
+TARGETS: dict[str, type] = {"onnx": OnnxTarget, "tensorrt": TensorRTTarget}
+
+
+def target_for(target: str | Target) -> Target:
+    """A target object from its registered name (with default options), or the object itself."""
+    if isinstance(target, tuple(TARGETS.values())):
+        return target
+    if isinstance(target, str) and target in TARGETS:
+        return TARGETS[target]()
+    raise ConfigError(f"target={target!r} is not an export target: choose one of {', '.join(TARGETS)} "
+                      "(or pass a target object such as TensorRTTarget(TrtBuildConfig(precision='fp16')))")

@@ -1,0 +1,154 @@
+"""The compile driver (driver.py) and its config (config.py): one request object, one function, named steps."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model
+from tiny_engine import tiny_tokenizer
+
+import popcompile
+from popcompile.calibrate import fit_kv, save_fit
+from popcompile.cli import main
+from popcompile.config import KVCalibration, PopConfig
+from popcompile.driver import compile, steps
+from popcompile.engine.manifest import EngineManifest
+from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
+from popcompile.errors import ConfigError
+from popcompile.exporters.targets import TARGETS, OnnxTarget, TensorRTTarget, target_for
+from popcompile.exporters.tensorrt import TrtBuildConfig
+from popcompile.models import LoadedModel, ModelSource
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    model = tiny_model("llama", layers=LAYERS, max_position_embeddings=256)
+    tokenizer = tiny_tokenizer(model.config.vocab_size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fit_file(tmp_path_factory) -> Path:
+    """A POP+ fit of the tiny llama for cut 4."""
+    path = tmp_path_factory.mktemp("fit") / "kv.safetensors"
+    model = tiny_model("llama", layers=LAYERS, max_position_embeddings=256)
+    with torch.no_grad():
+        save_fit(fit_kv(model, [torch.randint(0, 97, (2, 16))], 4), path)
+    return path
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("cut", 0, "--cut 0 (cut=0)"), ("cut", True, "--cut True"), ("prune_ratio", 1.0, "--prune-ratio 1.0"),
+    ("prune_ratio", float("nan"), "--prune-ratio nan"), ("boundary", "inside", "--boundary 'inside'"),
+    ("dtype", "int8", "--dtype 'int8'"), ("max_seq", 4, "--max-seq 4"), ("min_prompt_tokens", -1, "--min-prompt-tokens -1"),
+    ("min_prompt_tokens", "often", "--min-prompt-tokens 'often'"), ("kv_calibration", 3, "kv_calibration=3"),
+])
+def test_config_names_the_bad_field_as_flag_and_keyword(field, value, flag):
+    with pytest.raises(ConfigError, match=flag.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        PopConfig(**{field: value})
+
+
+def test_config_is_frozen_and_normalises_kv_calibration(fit_file):
+    config = PopConfig(kv_calibration=str(fit_file))
+    assert config.kv_calibration == KVCalibration("file", fit_file) and str(config.kv_calibration) == str(fit_file)
+    assert PopConfig().kv_calibration.mode == "auto" and PopConfig(kv_calibration=None).kv_calibration.mode == "none"
+    assert PopConfig(kv_calibration=True).kv_calibration.mode == "auto"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cut = 3
+    with pytest.raises(ConfigError, match="either cut or prune_ratio"):
+        PopConfig(cut=3, prune_ratio=0.5)
+    with pytest.raises(ConfigError, match="nope.safetensors does not exist"):
+        PopConfig(kv_calibration="nope.safetensors")
+
+
+@pytest.mark.parametrize("layers, config, cut", [
+    (30, PopConfig(), 20), (6, PopConfig(), 4), (6, PopConfig(cut=6), 6), (6, PopConfig(prune_ratio=0.5), 3),
+])
+def test_config_resolves_the_cut_for_a_depth(layers, config, cut):
+    assert config.resolve_cut(layers) == cut
+
+
+def test_config_cut_beyond_the_model_is_named():
+    with pytest.raises(ConfigError, match="cut=9 is out of range for a model with 6 layers"):
+        PopConfig(cut=9).resolve_cut(6)
+
+
+def test_targets_registry():
+    assert set(TARGETS) == {"onnx", "tensorrt"}
+    assert target_for("onnx") == OnnxTarget() and target_for("tensorrt") == TensorRTTarget()
+    custom = TensorRTTarget(TrtBuildConfig(precision="fp16"))
+    assert target_for(custom) is custom
+    with pytest.raises(ConfigError, match="'tflite' is not an export target: choose one of onnx, tensorrt"):
+        target_for("tflite")
+
+
+def test_unknown_target_fails_before_anything(tiny_folder, tmp_path):
+    with pytest.raises(ConfigError, match="not an export target"):
+        compile(str(tiny_folder), out=tmp_path / "engine", target="tflite")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _has_gpu() -> bool:
+    try:
+        require_gpu()
+    except TensorRTUnavailable:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_gpu(), reason="checks the no-GPU path: this machine has an NVIDIA GPU and tensorrt")
+def test_tensorrt_target_without_gpu_fails_before_the_model_loads(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(TensorRTUnavailable, match="NVIDIA GPU"):
+        compile("no-such-model", PopConfig(kv_calibration="none"), out=tmp_path / "engine", target="tensorrt")
+    assert time.monotonic() - started < 5.0 and list(tmp_path.iterdir()) == []
+
+
+def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_path, fit_file):
+    config = PopConfig(cut=4, kv_calibration=fit_file, max_seq=64, min_prompt_tokens=0,
+                       cut_choice={"method": "test"})
+    seen: list[str] = []
+    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
+    assert seen == steps(config) == ["load", "calibrate", "capture", "POP pass", "export decode graph",
+                                     "export prefill graph", "write engine folder"]
+    on_disk = EngineManifest.read(tmp_path / "engine")
+    assert on_disk == manifest and manifest.cut == 4 and manifest.kv_layout.max_seq == 64
+    assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}
+    assert manifest.extra["kv_calibration"]["cut"] == 4
+    assert steps(PopConfig(), "tensorrt")[-1] == "measure min_prompt_tokens"
+
+
+def test_compile_keeps_the_callers_model(tiny_folder, tmp_path):
+    """A LoadedModel passed in is not cast or changed: float16 compiles a copy."""
+    model = tiny_model("llama", layers=LAYERS, max_position_embeddings=256)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded = LoadedModel(model, tiny_tokenizer(97), ModelSource("tiny", "folder", "tiny", None))
+    manifest = popcompile.compile(loaded, PopConfig(kv_calibration="none", dtype="float16", max_seq=32,
+                                                    min_prompt_tokens=0), out=tmp_path / "engine")
+    assert manifest.dtype == "float16" and manifest.cut == 4
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_cli_cut_auto_with_a_calibration_file_is_refused_before_work(tiny_folder, tmp_path, fit_file, capsys):
+    """The file was fitted for one cut; --cut auto would choose (minutes), then fail unless they happened to agree."""
+    started = time.monotonic()
+    assert main(["export", str(tiny_folder), "--out", str(tmp_path / "engine"), "--cut", "auto",
+                 "--kv-calibration", str(fit_file)]) == 2
+    err = capsys.readouterr().err
+    assert "fitted for cut 4: give --cut 4, or --kv-calibration auto" in err and len(err.strip().splitlines()) == 1
+    assert time.monotonic() - started < 10.0 and not (tmp_path / "engine").exists()
+
+
+def test_public_api_names_resolve():
+    for name in popcompile.__all__:
+        assert getattr(popcompile, name) is not None, name
+    assert popcompile.compile is compile and popcompile.PopConfig is PopConfig
