@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..exporters.tensorrt import BUILD_STEPS, PRECISIONS, TrtBuildConfig
+from ..runtime import RUNTIMES
 
 
 
@@ -80,7 +81,7 @@ def summary(folder: Path, section) -> str:
 
 def add_runtime_options(parser) -> None:
     """`run --runtime {onnxruntime,tensorrt}` and the TensorRT runtime's options."""
-    parser.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+    parser.add_argument("--runtime", choices=list(RUNTIMES), default="onnxruntime",
                         help="onnxruntime (default; --provider picks CPU/CUDA/TensorRT EP) or tensorrt "
                              "(the folder's TensorRT plans from `popcompile build-trt`; NVIDIA GPU)")
     parser.add_argument("--kv-binding", choices=["auto", "static", "gather"], default="auto",
@@ -90,12 +91,13 @@ def add_runtime_options(parser) -> None:
                                                                  "(static KV binding)")
 
 
+#: the `run` flags each registered runtime takes (runtime.RUNTIMES)
+RUNTIME_FLAGS = {"onnxruntime": ("provider", "threads"), "tensorrt": ("kv_binding", "cuda_graph")}
+
+
 def open_session(args):
-    """The session `run` generates with: PopSession (onnxruntime) or TrtSession (tensorrt)."""
-    if getattr(args, "runtime", "onnxruntime") == "tensorrt":
-        from ..runtime.trt import TrtSession
+    """The session `run` generates with: the registered runtime ``--runtime`` with its flags."""
+    from ..runtime import open_session as open_runtime
 
-        return TrtSession(args.engine, kv_binding=args.kv_binding, cuda_graph=args.cuda_graph)
-    from ..runtime.ort import PopSession
-
-    return PopSession(args.engine, provider=args.provider, threads=args.threads)
+    runtime = getattr(args, "runtime", "onnxruntime")
+    return open_runtime(args.engine, runtime, **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS[runtime]})
