@@ -4,8 +4,8 @@ For each model and runtime, at prompt lengths 16..2048 tokens:
 
 - speed: TTFT of full and POP (interleaved repetitions, medians), their ratio full/POP and the FLOP bound
   of the same cut (popcompile.cost);
-- quality: over the first tokens of real stdlib sources (eval_data.stdlib_texts) cut to each length,
-  the greedy matched prefix of POP against full (``evaluate.matched_prefix``, ``compare_generations``)
+- quality: over the first tokens of real stdlib sources (corpus.stdlib_texts) cut to each length,
+  the greedy matched prefix of POP against full (``scoring.matched_prefix``, ``compare_generations``)
   and the teacher-forced top-1 agreement with full on the true continuation (``score_continuations``);
 - the threshold ``choose_min_prompt_tokens`` (popcompile/threshold.py) picks from the speed curve.
 
@@ -45,10 +45,11 @@ from pathlib import Path
 
 import torch
 
-from popcompile import eval_data
+from popcompile import corpus
+from popcompile.tools.eval import data as eval_data
 from popcompile.cost import speedup_bound
 from popcompile.errors import ConfigError
-from popcompile.evaluate import compare_generations, matched_prefix, score_continuations
+from popcompile.tools.eval.scoring import compare_generations, matched_prefix, score_continuations
 from popcompile.threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -82,7 +83,7 @@ class Setup:
 def ort_setup(args, part: str) -> Setup:
     import numpy as np
 
-    from popcompile.eval_engine import ENGINE_VARIANTS, EngineRun, EvalTokenizer, continuation_logits, greedy
+    from popcompile.tools.eval.engine import ENGINE_VARIANTS, EngineRun, EvalTokenizer, continuation_logits, greedy
     from popcompile.runtime.ort import PopSession
 
     folder = Path(args.engines) / args.model
@@ -110,7 +111,7 @@ def ort_setup(args, part: str) -> Setup:
 
 def torch_setup(args, part: str) -> Setup:
     from popcompile import reference
-    from popcompile.evaluate import continuation_logits, last_logits_only
+    from popcompile.tools.eval.scoring import continuation_logits, last_logits_only
     from popcompile.models import load_model
     from popcompile.config import resolve_cut
 
@@ -168,14 +169,14 @@ RUNTIMES: dict[str, Callable] = {"onnxruntime": ort_setup, "torch-compile": torc
 
 def long_texts(tok, count: int, need: int) -> list[tuple[str, str]]:
     """The first ``count`` stdlib sources (sorted) of at least ``need`` tokens: the same texts at every length."""
-    texts = [(name, text) for name, text in eval_data.stdlib_texts() if len(eval_data.encode(tok, text)) >= need]
+    texts = [(name, text) for name, text in corpus.stdlib_texts() if len(corpus.encode(tok, text)) >= need]
     if len(texts) < count:
         raise ValueError(f"only {len(texts)} stdlib sources have {need} tokens; ask for fewer --docs")
     return texts[:count]
 
 
 def text_ids(tok, n: int) -> list[int]:
-    return eval_data.encode(tok, long_texts(tok, 1, n)[0][1])[:n]
+    return corpus.encode(tok, long_texts(tok, 1, n)[0][1])[:n]
 
 
 # --- the two parts -----------------------------------------------------------------------------

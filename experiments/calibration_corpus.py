@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from popcompile import eval_data, evaluate
+from popcompile import corpus
+from popcompile.tools.eval import data as eval_data
+from popcompile.tools.eval import scoring
 from popcompile.calibrate import default_batches, fit_kv, token_batches
 from popcompile.reference import Variant
 
@@ -40,9 +42,9 @@ def prose_documents(tokenizer) -> list[list[int]]:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": f"Explain the Python topic '{name}'."},
                  {"role": "assistant", "content": text}], tokenize=False)
-            docs.append(eval_data.encode(tokenizer, text, add_special_tokens=False))
+            docs.append(corpus.encode(tokenizer, text, add_special_tokens=False))
         else:
-            docs.append(eval_data.encode(tokenizer, text))
+            docs.append(corpus.encode(tokenizer, text))
     return docs
 
 
@@ -77,10 +79,10 @@ def main(argv=None) -> int:
         variants[f"pop-kvfit-{name}"] = Variant(cut, kv_weights=fit.weights)
         print(f"fitted on {name}: {fits[name]}", file=sys.stderr, flush=True)
     docs, _ = eval_data.continuation_documents(tok, 512, 48, args.limit)
-    cont = evaluate.continuation_eval(model, docs, variants)
+    cont = scoring.continuation_eval(model, docs, variants)
     prompts = [eval_data.chat_prompt_ids(tok, p) for p in eval_data.CHAT_PROMPTS[: args.limit]]
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
-    gen = evaluate.generation_eval(model, prompts, variants, 64, tok.eos_token_id, decode)
+    gen = scoring.generation_eval(model, prompts, variants, 64, tok.eos_token_id, decode)
     rows = [{"variant": n, **{k: cont[n][k] for k in ("nll", "perplexity", "agreement")},
              "exact_match": gen[n]["exact_match"], "matched_prefix": gen[n]["matched_prefix"],
              "texts": gen[n]["texts"]} for n in variants]

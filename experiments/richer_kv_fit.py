@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
-from popcompile import eval_data, evaluate, reference
+from popcompile import reference
+from popcompile.tools.eval import data as eval_data
+from popcompile.tools.eval import scoring
 from popcompile.calibrate import default_batches, norm_eps, norm_scale, rms_unit
 from popcompile.cost import prefill_flops, speedup_bound
 from popcompile.reference import Variant
@@ -274,7 +276,7 @@ def batches_of(docs, size: int = 4):
 @torch.no_grad()
 def full_argmax(model, docs) -> list[torch.Tensor]:
     full = Variant(len(reference.decoder_layers(model)))
-    return [evaluate.continuation_logits(model, p, t, full).argmax(-1) for p, t in batches_of(docs)]
+    return [scoring.continuation_logits(model, p, t, full).argmax(-1) for p, t in batches_of(docs)]
 
 
 @torch.no_grad()
@@ -283,7 +285,7 @@ def score(model, docs, full: list[torch.Tensor], make_run) -> dict:
     nll, agree = [], []
     for (prefix, target), full_top in zip(batches_of(docs), full):
         run = make_run(prefix.shape[1])
-        with evaluate.last_logits_only(model):
+        with scoring.last_logits_only(model):
             first = run.prefill(prefix)[:, None]
         logits = torch.cat([first, run.step(target[:, :-1], prefix.shape[1])], dim=1)
         logp = torch.log_softmax(logits.float(), -1)

@@ -379,7 +379,7 @@ def token_batches(token_lists: Iterable[list[int]], seq_len: int, batch: int) ->
 
 def default_batches(tokenizer, *, seq_len: int = 512, max_tokens: int = 65536, batch: int = 4):
     """The default calibration corpus (stdlib modules disjoint from the evaluation's) as [B, T] batches."""
-    from .eval_data import CALIBRATION_MODULES, encode, stdlib_texts
+    from .corpus import CALIBRATION_MODULES, encode, stdlib_texts
 
     docs = [encode(tokenizer, text) for _, text in stdlib_texts(CALIBRATION_MODULES)]
     windows = list(token_batches(docs, seq_len, batch))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from popcompile import analyze
+from popcompile.tools import analyze
 from popcompile.arch import ARCHITECTURES
 from popcompile.cli import main
 from popcompile.passes.gates import gate_pass

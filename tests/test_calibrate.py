@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from popcompile import reference
-from popcompile.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit, token_batches
-from popcompile.eval_data import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
+from popcompile.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
+from popcompile.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
 from popcompile.models import load_model
 from tiny import tiny_model
 from tiny_engine import tiny_engine

@@ -7,8 +7,9 @@ import pytest
 from transformers import AutoTokenizer, GenerationConfig
 
 from chat_families import FAMILIES, write_family
-from popcompile import eval_data, humaneval
-from popcompile.eval_engine import EvalTokenizer
+from popcompile.tools.eval import data as eval_data
+from popcompile.tools.eval import humaneval
+from popcompile.tools.eval.engine import EvalTokenizer
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.tokenizer import EngineTokenizer
 

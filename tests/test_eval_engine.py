@@ -7,7 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from popcompile import eval_data, eval_engine, evaluate, humaneval
+from popcompile.tools.eval import data as eval_data
+from popcompile.tools.eval import engine as eval_engine
+from popcompile.tools.eval import humaneval
+from popcompile.tools.eval import run
+from popcompile.tools.eval import scoring
 from popcompile.cli import main
 from popcompile.reference import Variant
 from popcompile.runtime.ort import PopSession
@@ -50,8 +54,8 @@ def test_continuation_scores_equal_the_reference(session, model, docs):
     run = eval_engine.EngineRun(session)
     logits = lambda name, prefix, target: torch.from_numpy(eval_engine.continuation_logits(
         run, prefix.numpy(), target.numpy(), eval_engine.ENGINE_VARIANTS[name]))
-    engine = evaluate.score_continuations(docs, ["full", "pop"], logits, batch_size=2)  # batches of 2, 2, 1
-    ref = evaluate.continuation_eval(model, docs, {"full": Variant(LAYERS), "pop": Variant(CUT)}, batch_size=3)
+    engine = scoring.score_continuations(docs, ["full", "pop"], logits, batch_size=2)  # batches of 2, 2, 1
+    ref = scoring.continuation_eval(model, docs, {"full": Variant(LAYERS), "pop": Variant(CUT)}, batch_size=3)
     for name in ("full", "pop"):
         e, r = engine[name], ref[name]
         assert e["nll"] == pytest.approx(r["nll"], abs=NLL_TOL)
@@ -65,7 +69,7 @@ def test_full_against_itself_agrees_everywhere(session, docs):
     run = eval_engine.EngineRun(session)
     logits = lambda name, prefix, target: torch.from_numpy(
         eval_engine.continuation_logits(run, prefix.numpy(), target.numpy(), "full"))
-    scores = evaluate.score_continuations(docs, ["full", "again"], logits, batch_size=4)
+    scores = scoring.score_continuations(docs, ["full", "again"], logits, batch_size=4)
     assert scores["again"]["agreement"] == 1.0 and scores["again"]["nll"] == scores["full"]["nll"]
     assert scores["again"]["kl_to_full"] == 0.0
 
@@ -73,8 +77,8 @@ def test_full_against_itself_agrees_everywhere(session, docs):
 def test_generation_equals_the_reference(session, model):
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 97, n)] for n in (6, 11, 2)]
-    engine = evaluate.compare_generations(prompts, ["full", "pop"], eval_engine.session_generate(session, 10))
-    ref = evaluate.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)}, 10, EOS)
+    engine = scoring.compare_generations(prompts, ["full", "pop"], eval_engine.session_generate(session, 10))
+    ref = scoring.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)}, 10, EOS)
     assert engine == ref
     run = eval_engine.EngineRun(session)  # the humaneval path: greedy steps with a stop rule
     stop = lambda tokens: len(tokens) == 4
@@ -97,7 +101,7 @@ def test_cli_scores_an_engine_folder(folder, tmp_path, capsys):
 
 
 def test_humaneval_runs_on_an_engine(folder, tmp_path):
-    results = evaluate.run_eval(str(folder), tmp_path, tasks=["humaneval"], limit=1, code_tokens=4,
+    results = run.run_eval(str(folder), tmp_path, tasks=["humaneval"], limit=1, code_tokens=4,
                                 allow_code_exec=True, timeout=5.0, threads=1)
     h = results["tasks"]["humaneval"]
     assert h["problems"] == 1 and h["prompt_format"] == "raw" and h["variants"]["full"]["identical_to_full"] == 1.0
@@ -128,6 +132,6 @@ def test_pop_variant_prunes_whatever_the_engines_min_prompt_tokens(folder, model
     session = PopSession(folder, threads=1, min_prompt_tokens=1000)
     prompts = [[int(t) for t in np.random.default_rng(3).integers(3, 97, n)] for n in (7, 12)]  # POP != full here
     assert session.generate([prompts[0]], eval_engine.SamplingConfig(max_new_tokens=1))[0].prefill == "full"
-    engine = evaluate.compare_generations(prompts, ["full", "pop"], eval_engine.session_generate(session, 8))
-    assert engine == evaluate.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)}, 8, EOS)
+    engine = scoring.compare_generations(prompts, ["full", "pop"], eval_engine.session_generate(session, 8))
+    assert engine == scoring.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)}, 8, EOS)
     assert engine["pop"]["tokens"] != engine["full"]["tokens"]  # POP ran: the cut changes these generations

@@ -9,7 +9,15 @@ import torch
 
 from popcompile.cli import build_parser, main
 from popcompile.commands.evaluate import cmd_eval
-from popcompile import eval_data, evaluate, humaneval, reference, sweep
+from popcompile import reference
+from popcompile import corpus
+from popcompile.tools.eval import config as eval_config
+from popcompile.tools.eval import data as eval_data
+from popcompile.tools.eval import humaneval
+from popcompile.tools.eval import report
+from popcompile.tools.eval import run
+from popcompile.tools.eval import scoring
+from popcompile.tools.eval import sweep
 from popcompile.reference import Variant
 from tiny import tiny_model
 
@@ -37,7 +45,7 @@ def model():
 @pytest.fixture(scope="module")
 def docs():
     """Real stdlib text through the char tokenizer: 6 documents of 24 + 8 tokens."""
-    texts = {"stdlib": eval_data.stdlib_texts()[:6]}
+    texts = {"stdlib": corpus.stdlib_texts()[:6]}
     found, skipped = eval_data.make_documents(texts, CharTokenizer(), prefix_len=24, cont_len=8)
     assert len(found) == 6 and not skipped
     return found
@@ -55,14 +63,14 @@ def _tiny_fit(model):
 
 def test_pop_kvfit_needs_a_model_to_calibrate_on():
     with pytest.raises(ValueError, match="pop-kvfit needs a model"):
-        evaluate.make_variants(["pop-kvfit"], cut=2, num_layers=LAYERS)
+        scoring.make_variants(["pop-kvfit"], cut=2, num_layers=LAYERS)
 
 
 def test_every_variant_runs_on_continuation(model, docs):
     # cut 2: with cut = L-1 the one pruned layer's input is h_{L-1} in POP too, so POP is exact there
-    variants = evaluate.make_variants(evaluate.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model))
-    assert list(variants)[0] == "full" and set(variants) == set(evaluate.VARIANTS)
-    scores = evaluate.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
+    variants = scoring.make_variants(scoring.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model))
+    assert list(variants)[0] == "full" and set(variants) == set(scoring.VARIANTS)
+    scores = scoring.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
     for name, s in scores.items():
         assert math.isfinite(s["nll"]) and s["perplexity"] == pytest.approx(math.exp(s["nll"]))
         assert 0.0 <= s["agreement"] <= 1.0 and len(s["doc_nll"]) == len(docs)
@@ -72,43 +80,43 @@ def test_every_variant_runs_on_continuation(model, docs):
 
 
 def test_pop_at_full_depth_scores_exactly_like_full(model, docs):
-    variants = evaluate.make_variants(["pop"], cut=LAYERS, num_layers=LAYERS)
-    scores = evaluate.continuation_eval(model, docs, variants, batch_size=3)
+    variants = scoring.make_variants(["pop"], cut=LAYERS, num_layers=LAYERS)
+    scores = scoring.continuation_eval(model, docs, variants, batch_size=3)
     for key in ("nll", "agreement", "accuracy", "doc_nll"):
         assert scores["pop"][key] == scores["full"][key]
 
 
 def test_full_against_itself_agrees_everywhere(model, docs):
-    scores = evaluate.continuation_eval(model, docs, {"full": Variant(LAYERS), "again": Variant(LAYERS)})
+    scores = scoring.continuation_eval(model, docs, {"full": Variant(LAYERS), "again": Variant(LAYERS)})
     assert scores["again"]["agreement"] == 1.0 and scores["again"]["nll"] == scores["full"]["nll"]
 
 
 def test_without_kv_projection_differs_from_pop(model, docs):
-    variants = evaluate.make_variants(["pop", "pop-no-kv"], cut=2, num_layers=LAYERS)
-    scores = evaluate.continuation_eval(model, docs, variants)
+    variants = scoring.make_variants(["pop", "pop-no-kv"], cut=2, num_layers=LAYERS)
+    scores = scoring.continuation_eval(model, docs, variants)
     assert scores["pop-no-kv"]["doc_nll"] != scores["pop"]["doc_nll"]
     assert scores["pop-no-kv"]["kl_to_full"] != pytest.approx(scores["pop"]["kl_to_full"], rel=1e-3)
 
 
 def test_continuation_needs_baseline_and_equal_lengths(model, docs):
     with pytest.raises(ValueError, match="baseline"):
-        evaluate.continuation_eval(model, docs, {"pop": Variant(2)})
+        scoring.continuation_eval(model, docs, {"pop": Variant(2)})
     odd = eval_data.Document("x", "stdlib", docs[0].prefix[:-1], docs[0].continuation)
     with pytest.raises(ValueError, match="share one prefix"):
-        evaluate.continuation_eval(model, [docs[0], odd], {"full": Variant(LAYERS)})
+        scoring.continuation_eval(model, [docs[0], odd], {"full": Variant(LAYERS)})
     with pytest.raises(ValueError, match="unknown variant"):
-        evaluate.make_variants(["pop", "nope"], 2, LAYERS)
+        scoring.make_variants(["pop", "nope"], 2, LAYERS)
 
 
 def test_sweep_has_one_row_per_cut(model, docs):
-    assert evaluate.sweep_cuts(30) == list(range(30, 14, -1)) and evaluate.sweep_cuts(5) == [5, 4, 3]
-    rows = evaluate.sweep(model, docs[:2])
-    assert [r["cut"] for r in rows] == evaluate.sweep_cuts(LAYERS) == [4, 3, 2]
+    assert sweep.sweep_cuts(30) == list(range(30, 14, -1)) and sweep.sweep_cuts(5) == [5, 4, 3]
+    rows = sweep.sweep(model, docs[:2])
+    assert [r["cut"] for r in rows] == sweep.sweep_cuts(LAYERS) == [4, 3, 2]
     assert {r["variant"] for r in rows} == {"pop"}
     assert rows[0]["agreement"] == 1.0 and rows[0]["speedup_bound"] == pytest.approx(1.0)
     assert rows[1]["agreement"] == 1.0  # cut L-1: the one pruned layer reads h_{L-1} in POP too
     assert rows[-1]["speedup_bound"] > rows[1]["speedup_bound"] > 1.0
-    assert evaluate.auto_cut(rows, 1.0) == 3
+    assert sweep.auto_cut(rows, 1.0) == 3
 
 
 def test_sweep_draws_both_curves_and_reuses_pop_where_nothing_is_refitted(model, docs):
@@ -124,7 +132,7 @@ def test_sweep_draws_both_curves_and_reuses_pop_where_nothing_is_refitted(model,
     pop, kvfit = rows[:3], rows[3:]
     assert kvfit[0]["nll"] == pop[0]["nll"] and kvfit[1]["nll"] == pop[1]["nll"]
     assert kvfit[2]["nll"] != pop[2]["nll"] and kvfit[2]["speedup_bound"] == pop[2]["speedup_bound"]
-    assert evaluate.auto_cuts(rows, [1.0])["pop-kvfit"]["1.0"] == 3
+    assert sweep.auto_cuts(rows, [1.0])["pop-kvfit"]["1.0"] == 3
     with pytest.raises(ValueError, match="needs kv_fit"):
         sweep.sweep(model, docs[:1], variants=["pop-kvfit"])
     with pytest.raises(ValueError, match="the sweep runs"):
@@ -149,7 +157,7 @@ def test_last_row_prefill_matches_the_reference(model, docs):
     prefix = torch.tensor([d.prefix for d in docs[:3]])
     target = torch.tensor([d.continuation for d in docs[:3]])
     for variant in (Variant(LAYERS), Variant(2), Variant(2, boundary=False), Variant(2, kv_projection=False)):
-        ours = evaluate.continuation_logits(model, prefix, target, variant)
+        ours = scoring.continuation_logits(model, prefix, target, variant)
         ref = reference.continuation_logits(model, prefix, target, variant)
         assert ours.shape == ref.shape and torch.allclose(ours, ref, atol=1e-5, rtol=0), variant
 
@@ -157,14 +165,14 @@ def test_last_row_prefill_matches_the_reference(model, docs):
 def test_auto_cut_picks_deepest_cut_that_keeps_agreement():
     rows = [{"cut": 30, "agreement": 1.0}, {"cut": 25, "agreement": 0.97}, {"cut": 22, "agreement": 0.951},
             {"cut": 20, "agreement": 0.93}, {"cut": 18, "agreement": 0.96}, {"cut": 15, "agreement": 0.6}]
-    assert evaluate.auto_cut(rows, 0.95) == 18
-    assert evaluate.auto_cut(rows, 0.97) == 25
-    assert evaluate.auto_cut(rows, 0.5) == 15
-    assert evaluate.auto_cut(rows, 1.0) == 30
+    assert sweep.auto_cut(rows, 0.95) == 18
+    assert sweep.auto_cut(rows, 0.97) == 25
+    assert sweep.auto_cut(rows, 0.5) == 15
+    assert sweep.auto_cut(rows, 1.0) == 30
     with pytest.raises(ValueError, match="no cut reaches"):
-        evaluate.auto_cut(rows[1:], 0.99)
+        sweep.auto_cut(rows[1:], 0.99)
     with pytest.raises(ValueError, match="out of range"):
-        evaluate.auto_cut(rows, 1.5)
+        sweep.auto_cut(rows, 1.5)
 
 
 def test_generation_and_early_stopping_match_reference(model):
@@ -172,19 +180,19 @@ def test_generation_and_early_stopping_match_reference(model):
     ref = reference.generate(model, prompt, 12, Variant(2))
     assert humaneval.generate_until(model, prompt, Variant(2), 12) == ref
     assert humaneval.generate_until(model, prompt, Variant(2), 12, stop=lambda t: len(t) == 5) == ref[:5]
-    variants = evaluate.make_variants(["pop", "shortgpt"], cut=2, num_layers=LAYERS)
-    scores = evaluate.generation_eval(model, [[5, 17, 3, 44, 9, 60], [1, 2, 3]], variants, max_new_tokens=8)
+    variants = scoring.make_variants(["pop", "shortgpt"], cut=2, num_layers=LAYERS)
+    scores = scoring.generation_eval(model, [[5, 17, 3, 44, 9, 60], [1, 2, 3]], variants, max_new_tokens=8)
     assert scores["full"]["exact_match"] == 1.0 and scores["full"]["matched_prefix"] == 8.0
     assert scores["pop"]["tokens"][0] == ref[:8]
-    assert evaluate.matched_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert scoring.matched_prefix([1, 2, 3], [1, 2, 4]) == 2
 
 
 def test_humaneval_refuses_without_allow_code_exec(model, tmp_path):
     problems = eval_data.humaneval_problems()[:1]
     with pytest.raises(ValueError, match="--allow-code-exec"):
-        evaluate.humaneval_eval(model, CharTokenizer(), problems, {"full": Variant(LAYERS)}, allow_code_exec=False)
+        humaneval.humaneval_eval(model, CharTokenizer(), problems, {"full": Variant(LAYERS)}, allow_code_exec=False)
     with pytest.raises(ValueError, match="--allow-code-exec"):  # before the model is even looked up
-        evaluate.run_eval("no-such-model", tmp_path, tasks=["humaneval"])
+        run.run_eval("no-such-model", tmp_path, tasks=["humaneval"])
     args = build_parser().parse_args(["eval", "no-such-model", "--tasks", "humaneval", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--allow-code-exec"):
         args.handler(args)
@@ -206,8 +214,8 @@ def test_harness_passes_canonical_and_fails_wrong_solutions(runner):
 
 def test_humaneval_runs_end_to_end_on_a_tiny_model(model):
     problems = eval_data.humaneval_problems()[:1]
-    variants = evaluate.make_variants(["pop"], cut=3, num_layers=LAYERS)
-    out = evaluate.humaneval_eval(model, CharTokenizer(), problems, variants, allow_code_exec=True,
+    variants = scoring.make_variants(["pop"], cut=3, num_layers=LAYERS)
+    out = humaneval.humaneval_eval(model, CharTokenizer(), problems, variants, allow_code_exec=True,
                                   max_new_tokens=6, timeout=5.0, runner="subprocess")
     assert out["runner"] == "subprocess" and out["variants"]["full"]["identical_to_full"] == 1.0
     assert out["variants"]["pop"]["pass@1"] == 0.0  # random weights write no working code
@@ -230,27 +238,27 @@ def test_documents_are_cropped_skipped_and_interleaved():
     assert [d.name for d in eval_data.make_documents(texts, tok, 20, 10, limit=2)[0]] == ["a1", "b1"]
     with pytest.raises(ValueError, match="no document has"):
         eval_data.make_documents(texts, tok, prefix_len=100, cont_len=10)
-    assert len(eval_data.STDLIB_MODULES) == 24 and list(eval_data.STDLIB_MODULES) == sorted(eval_data.STDLIB_MODULES)
-    assert len(eval_data.stdlib_texts()) == 24
+    assert len(corpus.STDLIB_MODULES) == 24 and list(corpus.STDLIB_MODULES) == sorted(corpus.STDLIB_MODULES)
+    assert len(corpus.stdlib_texts()) == 24
 
 
 def test_reports_and_plots(tmp_path):
     variants = {n: {"nll": 2.0 + i, "perplexity": math.exp(2.0 + i), "agreement": 1.0 - 0.1 * i,
-                    "accuracy": 0.5, "kl_to_full": 0.1 * i} for i, n in enumerate(evaluate.VARIANTS)}
+                    "accuracy": 0.5, "kl_to_full": 0.1 * i} for i, n in enumerate(scoring.VARIANTS)}
     results = {"model": "tiny", "num_layers": 4, "cut": 3, "prefix_len": 24, "cont_len": 8, "speedup_bound": 1.2,
                "tasks": {"continuation": {"documents": 2, "variants": variants},
                          "generation": {"prompts": 2, "max_new_tokens": 8, "variants": {
                              n: {"exact_match": 0.5, "matched_prefix": 3.0, "mean_length": 8.0}
-                             for n in evaluate.VARIANTS}}},
+                             for n in scoring.VARIANTS}}},
                "sweep": {"documents": 2, "auto_cut": {"pop": {"0.95": 4}, "pop-kvfit": {"0.95": 3}}, "rows": [
                    {"variant": v, "cut": c, "pruned_layers": 4 - c, "speedup_bound": 1 + (4 - c) / 10,
                     "nll": 2.0 + (4 - c), "perplexity": 1.0, "agreement": 1 - (4 - c) / 10}
                    for v in ("pop", "pop-kvfit") for c in (4, 3, 2)]}}
-    text = evaluate.report(results)
+    text = report.report(results)
     assert "pop-no-boundary" in text and "auto cut (pop-kvfit): agreement >= 0.95: 3" in text
     assert "pop-kvfit agree" in text
-    evaluate.plot_quality(results, tmp_path / "quality.png")
-    evaluate.plot_sweep(results, tmp_path / "sweep.png")
+    report.plot_quality(results, tmp_path / "quality.png")
+    report.plot_sweep(results, tmp_path / "sweep.png")
     assert (tmp_path / "quality.png").stat().st_size > 1000 and (tmp_path / "sweep.png").stat().st_size > 1000
     json.dumps(results)
 
@@ -259,20 +267,20 @@ def test_cli_options_parse(tmp_path):
     parser = build_parser()
     args = parser.parse_args(["eval", "smollm2-135m", "--sweep", "--limit", "3", "--out", str(tmp_path)])
     assert args.handler is cmd_eval and args.sweep and args.limit == 3
-    assert evaluate.parse_tasks(None, sweep_only=True) == ()
-    assert evaluate.parse_tasks(None, sweep_only=False) == ("continuation", "generation")
-    assert evaluate.parse_tasks("generation,continuation,generation", False) == (
+    assert eval_config.parse_tasks(None, sweep_only=True) == ()
+    assert eval_config.parse_tasks(None, sweep_only=False) == ("continuation", "generation")
+    assert eval_config.parse_tasks("generation,continuation,generation", False) == (
         "generation", "continuation", "generation")  # EvalConfig drops the repeat
     with pytest.raises(ValueError, match="unknown task"):
-        evaluate.EvalConfig(tasks=evaluate.parse_tasks("continuation,bogus", False))
+        eval_config.EvalConfig(tasks=eval_config.parse_tasks("continuation,bogus", False))
     with pytest.raises(SystemExit):  # --cut and --prune-ratio exclude each other
         parser.parse_args(["eval", "m", "--cut", "3", "--prune-ratio", "0.3", "--out", str(tmp_path)])
 
 
 def test_cli_builds_one_eval_config(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(evaluate, "run_eval", lambda model, out, config: seen.update(config=config) or {})
-    monkeypatch.setattr(evaluate, "report", lambda results: "")
+    monkeypatch.setattr(run, "run_eval", lambda model, out, config: seen.update(config=config) or {})
+    monkeypatch.setattr(report, "report", lambda results: "")
     assert main(["eval", "m", "--tasks", "humaneval,humaneval", "--allow-code-exec", "--code-prompt", "raw",
                  "--variants", "pop, shortgpt", "--limit", "3", "--out", str(tmp_path)]) == 0
     config = seen["config"]
@@ -292,7 +300,7 @@ def test_cli_builds_one_eval_config(monkeypatch, tmp_path):
 ])
 def test_eval_config_names_the_bad_option(options, message):
     with pytest.raises(ValueError, match=message):
-        evaluate.EvalConfig(**options)
+        eval_config.EvalConfig(**options)
 
 
 # --- HumanEval prompt formats and code extraction (real HumanEval problems, replies written like a chat model's) ---

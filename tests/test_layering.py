@@ -1,9 +1,10 @@
-"""The package's layering, read from the source: what engine/ and runtime/ may import (issue 15).
+"""The package's layering, read from the source (issue 15, popcompile/README.md).
 
     engine/    the engine-folder contract: no torch, transformers, onnx, onnxruntime, tensorrt or cuda;
                from popcompile only engine/ itself, errors and fsutil
-    runtime/   never the exporters, the CLI commands or the quality tools (evaluate, eval_*, sweep,
-               humaneval, analyze)
+    runtime/   never the exporters, the CLI commands or the tools (analyze, autocut, eval)
+    tools/     imported by commands/ and tools/ only: the compiler never depends on evaluation
+    all        no import cycles among popcompile's modules
 
 Every import counts: module level, inside functions, ``from .. import x`` and
 ``importlib.import_module("...")`` with a literal name.
@@ -22,8 +23,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "popcompile"
 HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "tensorrt", "cuda")
 ENGINE_MAY_USE = ("popcompile.engine", "popcompile.errors", "popcompile.fsutil")
-RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.evaluate", "popcompile.eval_*",
-                        "popcompile.sweep", "popcompile.humaneval", "popcompile.analyze")
+RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.tools")
+MAY_USE_TOOLS = ("popcompile.commands", "popcompile.tools")
 
 
 def module_name(path: Path) -> str:
@@ -79,7 +80,7 @@ def _matches(name: str, pattern: str) -> bool:
 def violations(folder: str, allowed, forbidden) -> list[str]:
     """``file: module`` for each import of a .py file under popcompile/folder that breaks the rule."""
     bad = []
-    for path in sorted((PACKAGE / folder).rglob("*.py")):
+    for path in sorted((PACKAGE / folder).rglob("*.py") if folder else PACKAGE.rglob("*.py")):
         for name in sorted(imports(path.read_text(), module_name(path), is_package(path))):
             if forbidden(name) or not allowed(name):
                 bad.append(f"{path.relative_to(PACKAGE.parent)}: {name}")
@@ -105,16 +106,75 @@ def test_runtime_imports_no_exporters_commands_or_quality_tools():
     assert violations("runtime", lambda name: True, forbidden) == []
 
 
+def test_only_commands_and_tools_import_tools():
+    bad = [line for line in violations("", lambda name: True, lambda name: _matches(name, "popcompile.tools"))
+           if not any(line.startswith(prefix.replace(".", "/") + "/") for prefix in MAY_USE_TOOLS)]
+    assert bad == []
+
+
+def module_graph() -> dict[str, set[str]]:
+    """popcompile module -> the popcompile modules it imports (every import, function-local ones too)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        graph[name] = {m for m in imports(path.read_text(), name, is_package(path))
+                       if m.startswith("popcompile.") and m != name and not m.startswith(name + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles():
+    """A package importing its own submodules (``popcompile.x`` -> ``popcompile.x.y``) is not a cycle."""
+    assert cycles(module_graph()) == []
+
+
+def test_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_old_paths_are_gone():
-    """The contract moved to engine/ without shims left behind."""
+    """The contract moved to engine/, the eval cluster to tools/, without shims left behind."""
     assert not (PACKAGE / "exporters" / "manifest.py").exists()
     assert not (PACKAGE / "kv.py").exists()
+    for old in ("analyze", "evaluate", "eval_engine", "eval_config", "eval_data", "eval_report", "sweep", "humaneval"):
+        assert not (PACKAGE / f"{old}.py").exists(), old
 
 
 @pytest.mark.parametrize("source, importer, package, expected", [
     ("from ..exporters.manifest import MANIFEST", "popcompile.runtime.x", False, {"popcompile.exporters.manifest"}),
-    ("def f():\n    from .. import evaluate", "popcompile.runtime.x", False, {"popcompile.evaluate"}),
-    ("from .. import eval_engine as e", "popcompile.runtime.x", False, {"popcompile.eval_engine"}),
+    ("def f():\n    from ..tools.eval import run", "popcompile.runtime.x", False, {"popcompile.tools.eval.run"}),
+    ("from .. import driver as d", "popcompile.runtime.x", False, {"popcompile.driver"}),
     ("from . import manifest", "popcompile.engine", True, {"popcompile.engine.manifest"}),
     ("from .kv import KVLayout", "popcompile.engine.manifest", False, {"popcompile.engine.kv"}),
     ("from ..errors import EngineError", "popcompile.engine.kv", False, {"popcompile.errors"}),
@@ -129,7 +189,8 @@ def test_imports_are_read_as_absolute_names(source, importer, package, expected)
 
 def test_checker_flags_what_it_should():
     assert _heavy("onnxruntime.capi") and _heavy("torch") and not _heavy("torchvision") and not _heavy("numpy")
-    assert _matches("popcompile.eval_data", "popcompile.eval_*") and not _matches("popcompile.evaluated", "popcompile.evaluate")
+    assert _matches("popcompile.tools.eval.data", "popcompile.tools") and not _matches("popcompile.toolsx", "popcompile.tools")
+    assert _matches("popcompile.eval_data", "popcompile.eval_*")
 
 
 def test_importing_engine_loads_no_torch_or_onnx():

@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def config_from_args(args):
     """The AnalyzeConfig of the options given (the dataclass's defaults for the others)."""
-    from ..analyze import AnalyzeConfig
+    from ..tools.analyze import AnalyzeConfig
 
     given = {name: getattr(args, name) for name in CONFIG_OPTIONS if getattr(args, name) is not None}
     return AnalyzeConfig(**given)
@@ -47,7 +47,7 @@ def config_from_args(args):
 def cmd_analyze(args) -> None:
     from tqdm import tqdm
 
-    from ..analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
+    from ..tools.analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
     from ..models import load_model
 
     config = config_from_args(args)

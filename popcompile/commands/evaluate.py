@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..eval_config import PROMPT_FORMATS, check_output_folder
+from ..tools.eval.config import PROMPT_FORMATS, check_output_folder
 from .common import add_cut_options, quiet_libraries
 
 
@@ -49,7 +49,7 @@ def register(sub) -> None:
 
 def config_from_args(args):
     """The EvalConfig of the parsed flags (validated there: bad values are one-line ConfigErrors)."""
-    from ..eval_config import EvalConfig, parse_tasks
+    from ..tools.eval.config import EvalConfig, parse_tasks
 
     variants = args.variants and tuple(v.strip() for v in args.variants.split(",") if v.strip())
     return EvalConfig(
@@ -63,7 +63,8 @@ def config_from_args(args):
 def cmd_eval(args) -> None:
     config = config_from_args(args)  # before torch is imported: bad options fail in a second
     check_output_folder(args.out, config.force)
-    from ..evaluate import report, run_eval
+    from ..tools.eval.report import report
+    from ..tools.eval.run import run_eval
 
     quiet_libraries()
     results = run_eval(args.model, args.out, config)

@@ -114,7 +114,11 @@ def _compile(args, config, target):
     quiet_libraries()
     loaded = load_model(args.model)
     if args.cut == "auto":
-        cut, choice = _choose_cut(args, loaded)
+        from ..tools.autocut import choose_cut, describe
+
+        print(describe(min_agreement=args.min_agreement, budget=args.budget), file=sys.stderr)
+        cut, choice = choose_cut(loaded, min_agreement=args.min_agreement, budget=args.budget,
+                                 kv_calibration=config.kv_calibration)
         config = replace(config, cut=cut, cut_choice=choice)
     names = steps(config, target)
     with tqdm(total=len(names), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
@@ -126,20 +130,3 @@ def _compile(args, config, target):
         manifest = compile(loaded, config, out=args.out, target=target, force=args.force, progress=progress)
         bar.update(bar.total - bar.n)
     return manifest
-
-
-def _choose_cut(args, loaded) -> tuple[int, dict]:
-    """``--cut auto``: the eval sweep's cut (--min-agreement) or analyze's recommendation, with its figures."""
-    if args.min_agreement is not None:
-        from ..sweep import choose_cut
-
-        print(f"choosing the cut: continuation sweep for agreement >= {args.min_agreement} "
-              "(every cut from L to L/2; 10-20 min on a 2-core CPU)", file=sys.stderr)
-        return choose_cut(loaded, args.min_agreement, kv_calibration=args.kv_calibration == "auto")
-    from ..analyze import DEFAULT_BUDGET, recommended_cut
-
-    budget = DEFAULT_BUDGET if args.budget is None else args.budget
-    print(f"choosing the cut: stage-aware importance, prefill budget {budget:.0%} "
-          "(2-3 min on a 2-core CPU; `popcompile analyze` shows the table)", file=sys.stderr)
-    cut = recommended_cut(loaded.model, loaded.tokenizer, budget=budget)
-    return cut, {"method": "analyze", "budget": budget, "cut": cut}

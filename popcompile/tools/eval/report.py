@@ -1,10 +1,14 @@
-"""Terminal tables and PNG plots of a ``popcompile eval`` results dict (as written to results.json)."""
+"""Terminal tables and PNG plots of a ``popcompile eval`` results dict, and writing results.json with them."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-# bar colours follow the order of evaluate.VARIANTS; curves of the sweep by variant
+from ...fsutil import atomic_path, atomic_write
+from .config import check_output_folder
+
+# bar colours follow the order of scoring.VARIANTS; curves of the sweep by variant
 _VARIANT_ORDER = ("full", "pop", "pop-kvfit", "pop-no-boundary", "pop-no-kv", "shortgpt")
 _CURVE_COLORS = {"pop": "tab:blue", "pop-kvfit": "tab:orange"}
 
@@ -137,3 +141,17 @@ def plot_sweep(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_results(results: dict, out: Path, force: bool = False) -> None:
+    """results.json and the plots, each through a temporary file and one rename (never half-written)."""
+    out = Path(out)
+    check_output_folder(out, force)  # again: another run may have written there meanwhile
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "results.json", json.dumps(results, indent=1))
+    if results["tasks"]:
+        with atomic_path(out / "quality.png") as tmp:
+            plot_quality(results, tmp)
+    if "sweep" in results:
+        with atomic_path(out / "sweep.png") as tmp:
+            plot_sweep(results, tmp)

@@ -33,16 +33,17 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from . import eval_data
-from .engine.manifest import MANIFEST, engine_file
-from .errors import ConfigError
-from .evaluate import (BASELINE, VARIANTS, _timed, _write, batch_size_for, generation_task,
+from . import data as eval_data
+from ...engine.manifest import MANIFEST, engine_file
+from ...errors import ConfigError
+from .scoring import (BASELINE, VARIANTS, batch_size_for, generation_task, timed,
                        score_continuations)
-from .eval_config import EvalConfig
+from .config import EvalConfig
+from .report import write_results
 from .humaneval import humaneval_scores
-from .runtime.generate import SamplingConfig
-from .runtime.kvbuffer import KVBuffer
-from .runtime.loop import Generation
+from ...runtime.generate import SamplingConfig
+from ...runtime.kvbuffer import KVBuffer
+from ...runtime.loop import Generation
 
 #: variant -> PopSession mode
 ENGINE_VARIANTS = {"full": "full", "pop": "pop"}
@@ -177,7 +178,7 @@ def _vocab(session: Any) -> int:
 def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int, cont_len: int,
             limit: int | None, provider: str) -> dict:
     """results.json's fields before the tasks: evaluate.run_eval's, plus the engine, provider and K/V fit."""
-    from .cost import speedup_bound
+    from ...cost import speedup_bound
 
     manifest = session.manifest
     config = json.loads(engine_file(folder, "config.json", "config.json").read_text())
@@ -197,7 +198,7 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
 
 def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
     """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the results."""
-    from .runtime.ort import PopSession
+    from ...runtime.ort import PopSession
 
     names = engine_variant_names(c.variants, c.cut, c.prune_ratio, c.sweep)
     provider = c.provider or "cpu"
@@ -206,17 +207,17 @@ def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
     results = _header(folder, session, names, c.prefix_len, c.cont_len, c.limit, provider)
     t = results["tasks"]
     if "continuation" in c.tasks:
-        t["continuation"] = _timed(lambda: _continuation_task(session, tok, names, c.limit, c.prefix_len,
+        t["continuation"] = timed(lambda: _continuation_task(session, tok, names, c.limit, c.prefix_len,
                                                               c.cont_len, c.batch_size))
     if "generation" in c.tasks:
         generate = session_generate(session, c.gen_tokens)
-        t["generation"] = _timed(lambda: generation_task(tok, names, generate, c.limit, c.gen_tokens))
+        t["generation"] = timed(lambda: generation_task(tok, names, generate, c.limit, c.gen_tokens))
     if "humaneval" in c.tasks:
         problems = eval_data.humaneval_problems()[:c.limit]
         eos = session.tokenizer.eos_token_ids
         complete = lambda name, ids, stop: greedy(run, ids, ENGINE_VARIANTS[name], c.code_tokens, eos, stop)
-        t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_scores(
+        t["humaneval"] = timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_scores(
             complete, tok, problems, names, allow_code_exec=c.allow_code_exec, timeout=c.timeout,
             prompt_format=c.code_prompt)})
-    _write(results, out, c.force)
+    write_results(results, out, c.force)
     return results

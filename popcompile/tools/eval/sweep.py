@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import eval_data
-from .errors import ConfigError
-from .reference import Variant
+from . import data as eval_data
+from ...errors import ConfigError
+from ...reference import Variant
 
 SWEEP_VARIANTS = ("pop", "pop-kvfit")
 METRICS = ("nll", "perplexity", "agreement", "accuracy", "kl_to_full")
@@ -48,9 +48,9 @@ def sweep(model, docs: list[eval_data.Document], cuts: list[int] | None = None, 
           variants: Iterable[str] = ("pop",), kv_fit: Callable[[int], Any] | None = None) -> list[dict]:
     """One row per (variant, cut): the continuation scores and ``speedup_bound`` (FLOP bound at the
     prefix length), in the order of ``variants`` then ``cuts`` (default L..ceil(L/2))."""
-    from .cost import speedup_bound
-    from .evaluate import continuation_eval
-    from .reference import decoder_layers
+    from ...cost import speedup_bound
+    from ...reference import decoder_layers
+    from .scoring import continuation_eval
 
     layers = len(decoder_layers(model))
     cuts = sweep_cuts(layers) if cuts is None else list(cuts)
@@ -100,9 +100,9 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: bool = False
     Cost: one continuation pass per cut L..ceil(L/2) over ``limit`` documents (SmolLM2, 12 documents:
     about 10 minutes on 2 CPU cores). Raises ValueError when no cut reaches the agreement.
     """
-    from .evaluate import default_kv_fit
-    from .models import load_model
-    from .reference import decoder_layers
+    from ...models import load_model
+    from ...reference import decoder_layers
+    from .scoring import default_kv_fit
 
     if not 0.0 <= min_agreement <= 1.0:
         raise ConfigError(f"min_agreement={min_agreement} is out of range: use 0..1")
@@ -121,3 +121,9 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: bool = False
                "data": DATA_NAME, "documents": len(docs), "prefix_len": prefix_len, "cont_len": cont_len,
                "curve": [{"cut": r["cut"], "agreement": round(r["agreement"], 4)} for r in rows]}
     return cut, figures
+
+
+def sweep_variant_names(variant_names: Iterable[str] | None) -> list[str]:
+    """The curves of ``--sweep``: pop and pop-kvfit among the chosen variants (pop when neither is)."""
+    chosen = [n for n in SWEEP_VARIANTS if variant_names is None or n in variant_names]
+    return chosen or ["pop"]

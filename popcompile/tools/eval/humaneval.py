@@ -23,9 +23,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import eval_data, reference
-from .eval_config import CODE_EXEC_REFUSAL, PROMPT_FORMATS  # noqa: F401 (re-exported)
-from .reference import Variant
+from ... import reference
+from ...corpus import encode
+from . import data as eval_data
+from .config import CODE_EXEC_REFUSAL, PROMPT_FORMATS  # noqa: F401 (re-exported)
+from ...reference import Variant
 
 CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, "
                     "including its signature, in a single ```python code block.\n\n```python\n{prompt}```")
@@ -48,7 +50,7 @@ def resolve_format(tokenizer: Any, prompt_format: str) -> str:
 def prompt_ids(tokenizer: Any, problem: dict, prompt_format: str) -> list[int]:
     """Token ids of the problem under ``raw`` or ``chat`` (the instruction in the user's turn)."""
     if prompt_format == "raw":
-        return eval_data.encode(tokenizer, problem["prompt"])
+        return encode(tokenizer, problem["prompt"])
     return eval_data.chat_prompt_ids(tokenizer, CHAT_INSTRUCTION.format(prompt=problem["prompt"]))
 
 

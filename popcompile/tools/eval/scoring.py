@@ -1,48 +1,30 @@
-"""``popcompile eval``: POP's quality against the full model and the paper's ablations, on real data.
+"""Scoring for ``popcompile eval``: the variants registry, continuation and generation scores, shared by the
+eager reference (run.py), the engine evaluation (engine.py) and the cut sweep (sweep.py).
 
 Every variant runs through ``reference.py`` (the eager specification) on the same data:
 
     full             Variant(cut=L)                  nothing pruned
     pop              Variant(cut)                    POP as in the paper
+    pop-kvfit        Variant(cut, kv_weights=...)    POP+ (K/V projections refitted, calibrate.py)
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
-
-Tasks (data: ``eval_data.py``): ``continuation`` (teacher-forced NLL / perplexity of a continuation
-after a prefilled prefix, and top-1 agreement with the full model), ``generation`` (greedy chat
-generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
-runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
-``humaneval.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` at every cut
-from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
-choice ``choose_cut``).
-
-Given an exported engine folder (it holds ``popcompile.json``) instead of a model, eval scores the engine
-itself with onnxruntime (``eval_engine.py``): ``full`` (the decode graph on the whole prompt) and ``pop``
-(the engine's prefill graph at its exported cut, with its K/V calibration if any) on the same tasks, data,
-metrics and results schema (plus ``engine``, ``provider`` and ``kv_calibration``). The ablations, other
-cuts and ``--sweep`` need the model and are refused for an engine folder.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from . import eval_data, reference
-from .errors import ConfigError
-from .eval_config import DEFAULT_TASKS, TASKS, EvalConfig, check_output_folder, parse_tasks  # noqa: F401
-from .fsutil import atomic_path, atomic_write
-from .humaneval import humaneval_eval
-from .eval_report import format_table, plot_quality, plot_sweep, report  # noqa: F401 (re-exported)
-from .reference import Variant
-from .sweep import SWEEP_VARIANTS, auto_cut, auto_cuts, choose_cut, sweep, sweep_cuts  # noqa: F401 (re-exported)
+from ... import reference
+from ...errors import ConfigError
+from ...reference import Variant
+from . import data as eval_data
 
 @dataclass(frozen=True)
 class VariantContext:
@@ -99,9 +81,9 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
 
     Lazy: the first call fits its cut and every cut in ``cuts`` in one pass over the corpus
     (``calibrate.fit_kv_cuts``); later calls for those cuts are free."""
-    from .calibrate import default_batches, fit_kv_cuts
+    from ...calibrate import default_batches, fit_kv_cuts
 
-    layers = _num_layers(loaded.model)
+    layers = num_layers(loaded.model)
     fits: dict[int, Any] = {}
 
     def fit(cut: int):
@@ -121,7 +103,7 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, file=sys.stderr, disable=None, leave=False)
 
 
-def _num_layers(model) -> int:
+def num_layers(model) -> int:
     return len(reference.decoder_layers(model))
 
 
@@ -277,21 +259,16 @@ def compare_generations(prompts: list[list[int]], names: list[str], generate: Ca
     return results
 
 
-# --- driver ------------------------------------------------------------------------------------
+# --- tasks -------------------------------------------------------------------------------------
 
-def sweep_variant_names(variant_names: Iterable[str] | None) -> list[str]:
-    """The curves of ``--sweep``: pop and pop-kvfit among the chosen variants (pop when neither is)."""
-    chosen = [n for n in SWEEP_VARIANTS if variant_names is None or n in variant_names]
-    return chosen or ["pop"]
-
-
-def _timed(run: Callable[[], dict]) -> dict:
+def timed(run: Callable[[], dict]) -> dict:
+    """``run()``'s results with the seconds it took."""
     start = time.perf_counter()
     found = run()
     return {**found, "seconds": time.perf_counter() - start}
 
 
-def _generation_task(model, tok, variants, limit, gen_tokens) -> dict:
+def reference_generation_task(model, tok, variants, limit, gen_tokens) -> dict:
     generate = lambda name, ids: reference.generate(model, torch.tensor([ids]), gen_tokens, variants[name],
                                                     tok.eos_token_id)
     return generation_task(tok, list(variants), generate, limit, gen_tokens)
@@ -305,77 +282,3 @@ def generation_task(tok, names: list[str], generate: Callable[[str, list[int]], 
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
     return {"prompts": len(prompts), "prompt_texts": list(texts), "chat_template": bool(tok.chat_template),
             "max_new_tokens": gen_tokens, "variants": compare_generations(prompts, names, generate, decode)}
-
-
-def run_eval(model_name: str, out: Path, config: EvalConfig | None = None, **options: Any) -> dict:
-    """Run the tasks (and the sweep) of ``config`` (or ``EvalConfig(**options)``), write
-    ``out/results.json`` and the plots; return the results. An engine folder as ``model_name`` runs
-    ``eval_engine.run_engine_eval`` (onnxruntime, ``config.provider`` / ``config.threads``)."""
-    config = config if config is not None else EvalConfig(**options)
-    check_output_folder(out, config.force)  # before any work: results.json is never replaced without force
-    from .eval_engine import is_engine_folder, run_engine_eval
-
-    if is_engine_folder(model_name):
-        return run_engine_eval(model_name, out, config)
-    if config.provider is not None or config.threads is not None:
-        raise ConfigError("--provider and --threads are for an engine folder (onnxruntime); "
-                         f"{model_name} runs through the eager reference")
-    from .models import load_model
-
-    results = _reference_eval(load_model(model_name), model_name, config)
-    _write(results, out, config.force)
-    return results
-
-
-def _reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
-    """Every task of ``c`` through reference.py on a loaded model."""
-    from .cost import speedup_bound
-    from .config import resolve_cut
-
-    model, tok = loaded.model, loaded.tokenizer
-    layers = _num_layers(model)
-    cut = resolve_cut(layers, c.cut, c.prune_ratio)
-    curves = sweep_variant_names(c.variants)
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if c.sweep and "pop-kvfit" in curves else ())
-    variants = make_variants(VARIANTS if c.variants is None else c.variants, cut, layers, kv_fit=kv_fit)
-    results: dict[str, Any] = {
-        "model": model_name, "model_type": model.config.model_type, "num_layers": layers, "cut": cut,
-        "prefix_len": c.prefix_len, "cont_len": c.cont_len,
-        "speedup_bound": speedup_bound(model.config, c.prefix_len, cut),
-        "variants": {n: describe(v) for n, v in variants.items()}, "limit": c.limit, "tasks": {},
-    }
-    docs, skipped = (eval_data.continuation_documents(tok, c.prefix_len, c.cont_len, c.limit)
-                     if "continuation" in c.tasks or c.sweep else (None, None))
-    t = results["tasks"]
-    if "continuation" in c.tasks:
-        t["continuation"] = _timed(lambda: {
-            "documents": len(docs), "names": [d.name for d in docs], "skipped_too_short": len(skipped),
-            "variants": continuation_eval(model, docs, variants, c.batch_size)})
-    if "generation" in c.tasks:
-        t["generation"] = _timed(lambda: _generation_task(model, tok, variants, c.limit, c.gen_tokens))
-    if "humaneval" in c.tasks:
-        problems = eval_data.humaneval_problems()[:c.limit]
-        t["humaneval"] = _timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_eval(
-            model, tok, problems, variants, allow_code_exec=c.allow_code_exec, max_new_tokens=c.code_tokens,
-            timeout=c.timeout, prompt_format=c.code_prompt)})
-    if c.sweep:
-        def run_sweep() -> dict:
-            rows = sweep(model, docs, batch_size=c.batch_size, variants=curves, kv_fit=kv_fit)
-            thresholds = {c.min_agreement, 0.9, 0.95, 0.99}
-            return {"documents": len(docs), "rows": rows, "auto_cut": auto_cuts(rows, thresholds)}
-        results["sweep"] = _timed(run_sweep)
-    return results
-
-
-def _write(results: dict, out: Path, force: bool = False) -> None:
-    """results.json and the plots, each through a temporary file and one rename (never half-written)."""
-    out = Path(out)
-    check_output_folder(out, force)  # again: another run may have written there meanwhile
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "results.json", json.dumps(results, indent=1))
-    if results["tasks"]:
-        with atomic_path(out / "quality.png") as tmp:
-            plot_quality(results, tmp)
-    if "sweep" in results:
-        with atomic_path(out / "sweep.png") as tmp:
-            plot_sweep(results, tmp)

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, OutputError
-from .fsutil import check_destination
+from ...errors import ConfigError, OutputError
+from ...fsutil import check_destination
 
 TASKS = ("continuation", "generation", "humaneval")
 DEFAULT_TASKS = ("continuation", "generation")

@@ -32,13 +32,14 @@ from typing import Any
 
 import torch
 
-from .arch import arch_spec, attention_windows
-from .capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
-from .errors import ConfigError, InputError, ModelError
-from .eval_data import encode, humaneval_problems
-from .fsutil import atomic_path, atomic_write
-from .passes.gates import BRANCHES, STAGES, GateResult, gate_pass
-from .config import resolve_cut
+from ..arch import arch_spec, attention_windows
+from ..capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
+from ..errors import ConfigError, InputError, ModelError
+from ..corpus import encode
+from .eval.data import humaneval_problems
+from ..fsutil import atomic_path, atomic_write
+from ..passes.gates import BRANCHES, STAGES, GateResult, gate_pass
+from ..config import resolve_cut
 
 #: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).
 DEFAULT_BUDGET = 0.01

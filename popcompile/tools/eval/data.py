@@ -14,27 +14,12 @@ import inspect
 import re
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ConfigError, EnvironmentUnavailable
-
-#: Standard-library modules used as continuation documents (single files in every CPython >= 3.10).
-STDLIB_MODULES: tuple[str, ...] = (
-    "argparse", "ast", "base64", "bisect", "calendar", "configparser", "contextlib", "copy",
-    "csv", "dataclasses", "difflib", "enum", "fractions", "functools", "heapq", "inspect",
-    "ipaddress", "pprint", "queue", "random", "shlex", "statistics", "string", "textwrap",
-)
-
-#: Calibration text for POP+ (calibrate.py): other stdlib modules, so evaluation stays held out.
-CALIBRATION_MODULES: tuple[str, ...] = (
-    "abc", "codecs", "datetime", "decimal", "fileinput", "fnmatch", "getopt", "glob", "gzip", "hashlib",
-    "locale", "numbers", "operator", "optparse", "pathlib", "pickle", "platform", "selectors", "shutil",
-    "tarfile", "tempfile", "threading", "typing", "uuid", "weakref", "zipfile",
-)
+from ...corpus import encode, stdlib_texts
+from ...errors import ConfigError, EnvironmentUnavailable
 
 #: Chat instructions for the generation task (short, varied; greedy decoding makes them deterministic).
 CHAT_PROMPTS: tuple[str, ...] = (
@@ -69,24 +54,6 @@ class Document:
     source: str  # "stdlib" | "humaneval"
     prefix: tuple[int, ...]
     continuation: tuple[int, ...]
-
-
-def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of ``text`` (a HF tokenizer, or anything called like one)."""
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-
-def stdlib_texts(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[str, str]]:
-    """``(name, source)`` of each module file of the running interpreter's stdlib (missing ones are left out)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
-    for module in sorted(modules):
-        path = root / f"{module}.py"
-        if path.is_file():
-            texts.append((f"stdlib/{module}.py", path.read_text(encoding="utf-8")))
-    if not texts:
-        raise EnvironmentUnavailable(f"no standard-library sources found under {root}")
-    return texts
 
 
 def humaneval_problems() -> list[dict]:
