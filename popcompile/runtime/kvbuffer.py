@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..engine.kv import KVLayout
-from ..errors import EngineError
+from ..errors import EngineError, InputError
 
 
 class KVBuffer:
@@ -91,7 +91,8 @@ class KVBuffer:
 
         Bind them as the graph's outputs, then pass them to ``write``."""
         if self.length + steps > self.layout.max_seq:
-            raise ValueError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}")
+            raise InputError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}: "
+                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
         if self.in_place(batch):
             self._handed = self._cache_views(self.length, self.length + steps)
         else:
@@ -103,7 +104,8 @@ class KVBuffer:
         batch, steps = new_mask.shape
         end = self.length + steps
         if end > self.layout.max_seq:
-            raise ValueError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}")
+            raise InputError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}: "
+                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
         handed = self._handed is not None and all(a is b for a, b in zip(present, self._handed))
         if not (handed and self.in_place(batch)):  # in place: the graph wrote the cache rows itself
             for index, rows in enumerate(present):

@@ -9,7 +9,6 @@ tokenizers and jinja2.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -17,11 +16,10 @@ import onnxruntime as ort
 from ..engine.kv import KVLayout
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError, EngineError, EnvironmentUnavailable
-from .defaults import engine_sampling
-from .generate import SamplingConfig
 from .kvbuffer import KVBuffer
-from .loop import Generation, GenerationResult, HostBackend, StepOutputs, encode_prompt, prompt_ids, threshold
+from .loop import HostBackend, StepOutputs, threshold
 from .ort_load import check_external_data, check_signature, load_graph, vocab_size
+from .session import Session
 from .tokenizer import EngineTokenizer
 from .verify import HashCache, verify_folder
 
@@ -108,7 +106,7 @@ class BoundBackend:
         return logits, present
 
 
-class PopSession:
+class PopSession(Session):
     """Load an engine folder once; ``generate`` many times. The KV buffer is allocated once per
     session (and again only for a larger batch than any before).
 
@@ -161,25 +159,5 @@ class PopSession:
             self.allocations += 1
         return self.buffer
 
-    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
-        """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
-        return encode_prompt(self.tokenizer, prompt, chat)
-
-    def generate(
-        self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
-        mode: str = "pop", chat: bool | None = None, on_text: Callable[[str], None] | None = None,
-        min_prompt_tokens: int | None = None,
-    ) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text, or token id lists used as they are).
-
-        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
-        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
-        ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
-        generation_config.json says, under the dict's values (runtime/defaults.py)."""
-        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
-                                   str(self.folder / "generation_config.json"))
-        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
-        generation = Generation(self.backend, self._buffer(len(ids)), self.tokenizer, sampling, mode, on_text,
-                                folded=self.manifest.boundary == "folded",
-                                min_prompt_tokens=threshold(min_prompt_tokens, self.min_prompt_tokens))
-        return generation.run(ids)
+    def _graphs(self, batch: int) -> tuple[BoundBackend | HostBackend, KVBuffer]:
+        return self.backend, self._buffer(batch)

@@ -38,9 +38,7 @@ import numpy as np
 from ..engine.manifest import EngineManifest, is_file_name
 from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_section, is_count, require_gpu
 from ..errors import ConfigError, EngineError, InputError
-from .defaults import engine_sampling
-from .generate import SamplingConfig
-from .loop import Generation, GenerationResult, encode_prompt, prompt_ids, threshold
+from .session import Session
 from .tokenizer import EngineTokenizer
 from .verify import HashCache, verify_file
 
@@ -127,7 +125,8 @@ class DeviceKV:
         batch, steps = new_mask.shape
         end = self.length + steps
         if end > self.layout.max_seq:
-            raise ValueError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}")
+            raise InputError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}: "
+                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
         width = steps * self.row_bytes
         for rows in present:
             if not rows.in_place:
@@ -137,7 +136,7 @@ class DeviceKV:
         self.length = end
 
 
-class TrtSession:
+class TrtSession(Session):
     """Load an engine folder's TensorRT plans once; ``generate`` many times (same interface as PopSession)."""
 
     def __init__(self, folder: str | Path, *, device: int = 0, kv_binding: str = "auto", cuda_graph: bool = False,
@@ -175,6 +174,7 @@ class TrtSession:
             raise EngineError(f"{folder}: engine inputs {wrong} are not int64 as the KV contract says: re-export")
         self.cuda_graph, self.graphs = cuda_graph, {}
         self.tokenizer = EngineTokenizer.from_folder(folder)
+        self.vocab = io.vocab  # token ids a prompt may hold: the engine's embedding rows
         self.max_batch = section.max_batch
         self.min_prompt_tokens = manifest.min_prompt_tokens
         self._allocate()
@@ -285,30 +285,11 @@ class TrtSession:
 
     # ----------------------------------------------------------------------------------------- generate
 
-    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
-        """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
-        return encode_prompt(self.tokenizer, prompt, chat)
-
-    def generate(
-        self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
-        mode: str = "pop", chat: bool | None = None, on_text: Callable[[str], None] | None = None,
-        min_prompt_tokens: int | None = None,
-    ) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text, or token id lists used as they are).
-
-        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
-        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
-        ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
-        generation_config.json says, under the dict's values (runtime/defaults.py)."""
-        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
-                                   str(self.folder / "generation_config.json"))
-        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.io.vocab)
-        if len(ids) > self.max_batch:
-            raise InputError(f"{len(ids)} prompts exceed the engines' max batch {self.max_batch}: "
-                             f"rebuild with `popcompile build-trt {self.folder} --max-batch {len(ids)} --force`")
-        return Generation(self._run, self.kv, self.tokenizer, sampling, mode, on_text,
-                          folded=self.manifest.boundary == "folded",
-                          min_prompt_tokens=threshold(min_prompt_tokens, self.min_prompt_tokens)).run(ids)
+    def _graphs(self, batch: int) -> tuple[Callable[[str, dict], list], DeviceKV]:
+        if batch > self.max_batch:
+            raise InputError(f"{batch} prompts exceed the engines' max batch {self.max_batch}: "
+                             f"rebuild with `popcompile build-trt {self.folder} --max-batch {batch} --force`")
+        return self._run, self.kv
 
 
 def resolve_binding(kv_binding: str, section: TrtSection, cuda_graph: bool) -> str:

@@ -42,8 +42,6 @@ from .config import EvalConfig
 from .report import write_results
 from .humaneval import humaneval_scores
 from ...runtime.generate import SamplingConfig
-from ...runtime.kvbuffer import KVBuffer
-from ...runtime.loop import Generation
 
 #: variant -> PopSession mode
 ENGINE_VARIANTS = {"full": "full", "pop": "pop"}
@@ -96,33 +94,27 @@ class EvalTokenizer:
 
 
 class EngineRun:
-    """One unpadded sequence batch through the runtime's own steps (``loop.Generation``: its prefill
-    schedule, the session's backend with IO binding), with a KV buffer of its own (allocated again only
-    for a larger batch)."""
+    """One unpadded sequence batch through the session's public ``prefill`` / ``step`` (the runtime's own
+    prefill schedule and backend, its KV buffer)."""
 
     def __init__(self, session: Any):
-        self.session, self.buffer, self.generation = session, None, None
+        self.session = session
 
     def start(self, prompt: np.ndarray, mode: str) -> np.ndarray:
         """Prefill ``prompt`` ids [B, N] from an empty cache as ``run`` does in ``mode``, always pruning in
         pop (min_prompt_tokens 0); the logits [B, V] that predict token N+1."""
         if mode not in ENGINE_VARIANTS.values():
             raise ValueError(f"mode must be one of {', '.join(ENGINE_VARIANTS.values())}, got {mode!r}")
-        if self.buffer is None or self.buffer.batch < prompt.shape[0]:
-            self.buffer = KVBuffer(self.session.layout, prompt.shape[0])
-        self.buffer.reset()
-        self.generation = Generation(self.session.backend, self.buffer, self.session.tokenizer, SamplingConfig(),
-                                     mode, folded=self.session.manifest.boundary == "folded")
-        ids = np.ascontiguousarray(prompt, dtype=np.int64)
-        return self.generation.prefill(ids, np.ones_like(ids))
+        return self.session.prefill(prompt, mode)
 
     def step(self, ids: np.ndarray) -> np.ndarray:
         """Decode graph on ``ids`` [B, T] after the cached rows; logits [B, V] of the last of them."""
-        batch, steps = ids.shape
-        past = self.buffer.length
-        positions = np.tile(np.arange(past, past + steps, dtype=np.int64), (batch, 1))
-        return self.generation.step("decode", np.ascontiguousarray(ids, dtype=np.int64), positions,
-                                    np.ones((batch, steps), np.int64))
+        return self.session.step(ids)
+
+    @property
+    def length(self) -> int:
+        """Cache rows of the sequence in progress."""
+        return self.session.cache_length
 
 
 def continuation_logits(run: EngineRun, prefix: np.ndarray, continuation: np.ndarray, mode: str) -> np.ndarray:
@@ -143,7 +135,7 @@ def greedy(run: EngineRun, ids: list[int], mode: str, max_new_tokens: int, eos_t
     while True:
         tokens.append(int(logits[0].argmax()))
         if (tokens[-1] in eos or (stop is not None and stop(tokens)) or len(tokens) >= max_new_tokens
-                or run.buffer.length >= run.session.layout.max_seq):
+                or run.length >= run.session.layout.max_seq):
             return tokens
         logits = run.step(np.array([[tokens[-1]]], dtype=np.int64))
 

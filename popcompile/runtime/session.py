@@ -1,0 +1,89 @@
+"""The session core every runtime shares: encode, prefill, step, generate.
+
+    session.generate(prompts, sampling)     text or token ids in, GenerationResults out (loop.Generation)
+    session.prefill(ids [B, N], mode)       from an empty cache: logits [B, V] predicting token N+1
+    session.step(ids [B, T])                decode graph after the cached rows: logits [B, V] of the last
+
+(gpt-fast's prefill / decode_one_token / decode_n_tokens.) ``prefill`` follows generate's schedule
+for ``mode`` (pop: the prefill graph, folded or separate boundary; full: the decode graph) but always
+prunes in pop: it is the primitive under ``min_prompt_tokens``, which only ``generate`` applies.
+
+A runtime subclasses ``Session`` and sets, in its ``__init__``: ``folder``, ``manifest``, ``layout``,
+``tokenizer``, ``vocab`` (token ids a prompt may hold), ``min_prompt_tokens``; and implements
+``_graphs(batch) -> (backend, buffer)``: what ``loop.Generation`` runs graphs with (a ``loop.Backend``
+or a graph runner) and the KV buffer for ``batch`` rows (InputError when the runtime cannot take them).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import InputError
+from .defaults import engine_sampling
+from .generate import SamplingConfig
+from .loop import Generation, GenerationResult, encode_prompt, prompt_ids, threshold
+
+
+class Session:
+    """Shared by PopSession (onnxruntime) and TrtSession (TensorRT); see the module docstring."""
+
+    _live: Generation | None = None  # the prefill/step sequence in progress
+
+    def _graphs(self, batch: int) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _generation(self, batch: int, sampling: SamplingConfig, mode: str,
+                    on_text: Callable[[str], None] | None = None, min_prompt_tokens: int = 0) -> Generation:
+        backend, buffer = self._graphs(batch)
+        return Generation(backend, buffer, self.tokenizer, sampling, mode, on_text,
+                          folded=self.manifest.boundary == "folded", min_prompt_tokens=min_prompt_tokens)
+
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Prompt text -> token ids; ``chat=None`` applies the chat template when the tokenizer has one."""
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
+        mode: str = "pop", chat: bool | None = None, on_text: Callable[[str], None] | None = None,
+        min_prompt_tokens: int | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (text, or token id lists used as they are).
+
+        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
+        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
+        ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
+        generation_config.json says, under the dict's values (runtime/defaults.py)."""
+        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
+                                   str(self.folder / "generation_config.json"))
+        ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
+        self._live = None
+        generation = self._generation(len(ids), sampling, mode, on_text,
+                                      threshold(min_prompt_tokens, self.min_prompt_tokens))
+        return generation.run(ids)
+
+    def prefill(self, ids: np.ndarray, mode: str = "pop") -> np.ndarray:
+        """``ids`` [B, N] (no padding) from an empty cache on ``mode``'s schedule, pop always pruned; the
+        logits [B, V] predicting token N+1. Starts a sequence that ``step`` continues."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[1] > self.layout.max_seq:
+            raise InputError(f"prefill takes token ids [batch, N] with 1 <= N <= max_seq={self.layout.max_seq}, "
+                             f"got shape {ids.shape}")
+        self._live = self._generation(ids.shape[0], SamplingConfig(), mode)
+        self._live.buffer.reset()
+        return self._live.prefill(ids, np.ones_like(ids))
+
+    def step(self, ids: np.ndarray) -> np.ndarray:
+        """The decode graph on ``ids`` [B, T] after the cached rows; logits [B, V] of the last of them."""
+        if self._live is None:
+            raise InputError("step continues a sequence: call prefill first")
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        batch, steps = ids.shape
+        past = self.cache_length
+        positions = np.tile(np.arange(past, past + steps, dtype=np.int64), (batch, 1))
+        return self._live.step("decode", ids, positions, np.ones((batch, steps), np.int64))
+
+    @property
+    def cache_length(self) -> int:
+        """Cache rows the current prefill/step sequence holds (0 before any)."""
+        return 0 if self._live is None else self._live.buffer.length
