@@ -1,0 +1,43 @@
+"""Compile to TensorRT and generate with the TensorRT runtime (an NVIDIA GPU and ``pip install "popcompile[gpu]"``).
+
+    python samples/tensorrt_deploy.py                      # SmolLM2-135M, bf16 plans in engines/smol-trt
+    python samples/tensorrt_deploy.py --precision fp32 --cuda-graph
+
+Without a GPU it stops at once with one line saying what is missing (nothing is written).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+# [readme:tensorrt_deploy]
+import popcompile
+
+
+def tensorrt_deploy(model="smollm2-135m", out="engines/smol-trt", precision="bf16", cuda_graph=False,
+                    prompt="Write a haiku about compilers."):
+    target = popcompile.TensorRTTarget(popcompile.TrtBuildConfig(precision=precision))
+    popcompile.compile(model, popcompile.PopConfig(), out=out, target=target, force=True)  # ONNX, then plans
+    session = popcompile.open_session(out, runtime="tensorrt", cuda_graph=cuda_graph)
+    result = session.generate(prompt, {"max_new_tokens": 32, "greedy": True})[0]
+    print(f"{result.prefill} prefill, first token after {result.ttft_s * 1e3:.1f} ms: {result.text!r}")
+# [/readme]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="shipped name, .gguf or HF folder")
+    parser.add_argument("--out", default="engines/smol-trt", help="engine folder to write (replaced if one is there)")
+    parser.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--cuda-graph", action="store_true", help="replay decode steps as a CUDA graph")
+    args = parser.parse_args(argv)
+    try:
+        tensorrt_deploy(args.model, args.out, args.precision, args.cuda_graph)
+    except popcompile.PopcompileError as err:  # no GPU / tensorrt: TensorRTUnavailable, before any work
+        print(f"tensorrt_deploy: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
