@@ -1,6 +1,6 @@
-"""samples/ run as users run them (a subprocess each, on a tiny random model), and the README quotes them.
+"""samples/ run as users run them (a subprocess each, on a tiny random model), and the docs quote them.
 
-A README ```python block must be, character for character, a ``# [readme:NAME]`` region of a sample, and
+A ```python block of README.md or docs/*.md must be, character for character, a ``# [readme:NAME]`` region of a sample, and
 every region must be in the README: the snippets cannot drift from code that CI runs.
 """
 from __future__ import annotations
@@ -118,8 +118,10 @@ def regions() -> dict[str, str]:
 
 
 def readme_snippets() -> list[str]:
-    return [block.strip("\n") for block in re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(),
-                                                       re.S | re.M)]
+    """The ```python blocks of README.md and docs/*.md."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [block.strip("\n") for doc in docs
+            for block in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)]
 
 
 def test_readme_python_snippets_are_sample_regions():
