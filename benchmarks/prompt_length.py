@@ -12,7 +12,7 @@ For each model and runtime, at prompt lengths 16..2048 tokens:
 Runtimes (the table RUNTIMES):
 
     onnxruntime     an exported engine folder (its cut and K/V weights: POP+ by default); both modes through
-                    ``eval_engine.EngineRun`` (the session's graphs and IO-bound KV buffer, no runtime
+                    ``tools.eval.engine.EngineRun`` (the session's public prefill/step, no runtime
                     threshold in the way): pop = prefill graph on x_1..x_N, full = decode graph on x_1..x_N
     torch-compile   speed: ``torch.compile(model.forward, dynamic=True)`` with backend "inductor" (full) and
                     ``PopBackend(cut, inner="inductor", min_prompt_tokens=0)`` (pop: POP at every length), one

@@ -1,7 +1,7 @@
 """``EvalConfig``: what ``popcompile eval`` runs, validated once (before any model is loaded).
 
 Plain data, no torch import: the CLI builds it from its flags, ``evaluate.run_eval`` and
-``eval_engine.run_engine_eval`` read it.
+``engine.run_engine_eval`` read it.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ template, ``EngineTokenizer.encode_chat``, which adds no special tokens of its o
 Decoding is greedy whatever the engine's generation_config.json says, so the scores are reproducible.
 
 The ablations (pop-no-boundary, shortgpt, ...), other cuts and ``--sweep`` need the model: an engine
-holds one cut. Tasks, data, metrics and the results schema are ``evaluate.py``'s (``score_continuations``,
+holds one cut. Tasks, data, metrics and the results schema are ``scoring.py``'s (``score_continuations``,
 ``generation_task``, ``humaneval_scores``); only where the logits and tokens come from differs:
 
 - continuation: the decode graph returns the logits of its last position only ([B, V]), so after the
@@ -71,7 +71,7 @@ def engine_variant_names(variant_names: Iterable[str] | None, cut: int | None, p
 
 
 class EvalTokenizer:
-    """An ``EngineTokenizer`` called like the HF tokenizer that eval_data.py and humaneval.py expect."""
+    """An ``EngineTokenizer`` called like the HF tokenizer that data.py and humaneval.py expect."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer

@@ -12,7 +12,7 @@ Two prompt formats, because a base model and an instruct model are asked differe
   defs; example calls and prints are dropped) or, when the reply is only a body, that body.
 
 ``auto`` picks ``chat`` when the tokenizer has a chat template, else ``raw``. Execution (in a
-subprocess with a timeout, only with ``allow_code_exec``) is ``eval_data.checker``'s.
+subprocess with a timeout, only with ``allow_code_exec``) is ``data.checker``'s.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
 
-Tasks (data: ``eval_data.py``): ``continuation`` (teacher-forced NLL / perplexity of a continuation
+Tasks (data: ``data.py``): ``continuation`` (teacher-forced NLL / perplexity of a continuation
 after a prefilled prefix, and top-1 agreement with the full model), ``generation`` (greedy chat
 generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
 runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
@@ -17,7 +17,7 @@ from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which
 choice ``choose_cut``).
 
 Given an exported engine folder (it holds ``popcompile.json``) instead of a model, eval scores the engine
-itself with onnxruntime (``eval_engine.py``): ``full`` (the decode graph on the whole prompt) and ``pop``
+itself with onnxruntime (``engine.py``): ``full`` (the decode graph on the whole prompt) and ``pop``
 (the engine's prefill graph at its exported cut, with its K/V calibration if any) on the same tasks, data,
 metrics and results schema (plus ``engine``, ``provider`` and ``kv_calibration``). The ablations, other
 cuts and ``--sweep`` need the model and are refused for an engine folder.
