@@ -24,7 +24,7 @@ from popcompile.engine.manifest import MANIFEST, EngineManifest, engine_file, sh
 from popcompile.runtime.onnx_refs import external_refs
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.ort_load import load_graph
-from popcompile.runtime.verify import HashCache
+from popcompile.engine.verify import HashCache
 
 
 def median_ms(run, reps: int) -> float:

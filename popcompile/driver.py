@@ -108,7 +108,7 @@ def with_min_prompt_tokens(folder: Path, manifest: EngineManifest, config: PopCo
 def measure_min_prompt_tokens(folder: Path, runtime: str) -> tuple[int, dict]:
     from .runtime import open_session
     from .runtime.compare import measured_min_prompt_tokens
-    from .runtime.verify import HashCache
+    from .engine.verify import HashCache
 
     label = "onnxruntime-cpu" if runtime == "onnxruntime" else runtime
     value, record = measured_min_prompt_tokens(open_session(folder, runtime=runtime, hash_cache=HashCache(None)),

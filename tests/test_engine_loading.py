@@ -25,7 +25,7 @@ from popcompile.errors import ConfigError, EngineError, InputError, PopcompileEr
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.trt import TrtSession, verify_plans
-from popcompile.runtime.verify import HashCache, UnverifiedWeightsWarning
+from popcompile.engine.verify import HashCache, UnverifiedWeightsWarning
 from tiny_engine import tiny_engine
 
 PROMPT = [[5, 9, 12, 40, 41]]

@@ -55,7 +55,7 @@ def _is_names(value: object) -> bool:
 
 
 #: the weights entry's keys -> (test, what the value must be); manifests written before weights were
-#: hashed have no sha256 (runtime/verify.py then checks the size only, with a warning)
+#: hashed have no sha256 (engine/verify.py then checks the size only, with a warning)
 _WEIGHTS_FIELDS = {
     "file": (is_file_name, "a file name inside the engine folder (no path)"),
     "bytes": (_is_count, "an integer >= 0"),

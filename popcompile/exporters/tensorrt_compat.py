@@ -159,7 +159,7 @@ def check_engine(folder: str | Path) -> CompatReport:
 
     from ..engine.manifest import RE_EXPORT, EngineManifest
     from ..errors import EngineError
-    from ..runtime.verify import HashCache, verify_file
+    from ..engine.verify import HashCache, verify_file
 
     manifest = EngineManifest.read(folder)
     folder = Path(folder)

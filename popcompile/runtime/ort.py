@@ -21,7 +21,7 @@ from .loop import HostBackend, StepOutputs, threshold
 from .ort_load import check_external_data, check_signature, load_graph, vocab_size
 from .session import Session
 from .tokenizer import EngineTokenizer
-from .verify import HashCache, verify_folder
+from ..engine.verify import HashCache, verify_folder
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -113,7 +113,7 @@ class PopSession(Session):
     ``io_binding=False`` runs the graphs with plain ``InferenceSession.run`` (past rows copied into
     the feeds, outputs allocated by onnxruntime): kept for measurements (benchmarks/ttft.py).
 
-    Loading checks every file it reads (runtime/verify.py, docs/reliability.md): the manifest's types,
+    Loading checks every file it reads (engine/verify.py, docs/reliability.md): the manifest's types,
     every path inside the folder, graphs and weights by size and sha256 (a verified hash is remembered in
     ``hash_cache``, default ``HashCache.default()``: ~/.cache/popcompile/verified), the graphs' external
     data and their inputs/outputs against kv_layout. Any failure is an EngineError naming the file."""

@@ -40,7 +40,7 @@ from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_sect
 from ..errors import ConfigError, EngineError, InputError
 from .session import Session
 from .tokenizer import EngineTokenizer
-from .verify import HashCache, verify_file
+from ..engine.verify import HashCache, verify_file
 
 KV_BINDINGS = ("auto", "static", "gather")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}

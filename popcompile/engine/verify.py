@@ -20,8 +20,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.manifest import RE_EXPORT, EngineManifest, engine_file, sha256_file
 from ..errors import EngineError
+from .manifest import RE_EXPORT, EngineManifest, engine_file, sha256_file
 
 
 class UnverifiedWeightsWarning(UserWarning):
