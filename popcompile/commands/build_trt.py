@@ -89,15 +89,3 @@ def add_runtime_options(parser) -> None:
                              "sliding-window layers; see docs/tensorrt.md)")
     parser.add_argument("--cuda-graph", action="store_true", help="TensorRT: replay decode steps as a CUDA graph "
                                                                  "(static KV binding)")
-
-
-#: the `run` flags each registered runtime takes (runtime.RUNTIMES)
-RUNTIME_FLAGS = {"onnxruntime": ("provider", "threads"), "tensorrt": ("kv_binding", "cuda_graph")}
-
-
-def open_session(args):
-    """The session `run` generates with: the registered runtime ``--runtime`` with its flags."""
-    from ..runtime import open_session as open_runtime
-
-    runtime = getattr(args, "runtime", "onnxruntime")
-    return open_runtime(args.engine, runtime, **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS[runtime]})

@@ -11,6 +11,9 @@ from .common import CliError, check_range, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 
+#: the `run` flags each registered runtime takes (``runtime.RUNTIMES``'s names; ``--runtime`` chooses among them)
+RUNTIME_FLAGS = {"onnxruntime": ("provider", "threads"), "tensorrt": ("kv_binding", "cuda_graph")}
+
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="generate text with an engine folder",
@@ -59,6 +62,14 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_run)
 
 
+def open_session(args):
+    """The session `run` generates with: the runtime registered as ``--runtime``, given its flags."""
+    from ..runtime import open_session as open_runtime
+
+    runtime = getattr(args, "runtime", "onnxruntime")
+    return open_runtime(args.engine, runtime, **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())})
+
+
 def _sampling_options(args):
     """The user's decoding options, checked before the engine loads (ConfigError naming the flag)."""
     from ..runtime.defaults import SamplingOptions
@@ -80,7 +91,7 @@ def cmd_run(args) -> None:
 
     prompt = _check_args(args)  # before the engine loads
     options = _sampling_options(args)
-    session = build_trt.open_session(args)
+    session = open_session(args)
     ids = session.encode(prompt, args.chat)  # a template or tokenizer problem stops here, before any note
     choice = resolve_sampling(session.tokenizer.generation_config, options,
                               str(args.engine / "generation_config.json"))
