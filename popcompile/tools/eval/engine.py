@@ -190,11 +190,11 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
 
 def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
     """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the results."""
-    from ...runtime.ort import PopSession
+    from ...runtime import open_session
 
     names = engine_variant_names(c.variants, c.cut, c.prune_ratio, c.sweep)
     provider = c.provider or "cpu"
-    session = PopSession(Path(folder).expanduser(), provider=provider, threads=c.threads)
+    session = open_session(Path(folder).expanduser(), "onnxruntime", provider=provider, threads=c.threads)
     tok, run = EvalTokenizer(session.tokenizer), EngineRun(session)
     results = _header(folder, session, names, c.prefix_len, c.cont_len, c.limit, provider)
     t = results["tasks"]
