@@ -1,14 +1,18 @@
 """A short multi-turn chat with an engine folder: the chat template over the whole conversation, text streamed.
 
-    python samples/chat.py engines/smol                   # an engine from `popcompile export` or export_and_run.py
-    python samples/chat.py engines/smol --turn "Hi!" --turn "What did I just say?"
+    python samples/chat.py                                # engines/smol (export_and_run.py's), compiled first if absent
+    python samples/chat.py --out engines/gemma --model gemma3-270m --turn "Hi!" --turn "What did I just say?"
 
-Each turn prefills the whole conversation so far (POP when it is long enough: the engine's min_prompt_tokens).
+An engine already in ``--out`` is used as it is; otherwise ``--model`` is compiled into it first (add
+``--kv-calibration none --min-prompt-tokens 0`` to skip the POP+ fit and the threshold measurement, the slow
+part). Each turn prefills the whole conversation so far (POP when it is long enough: the engine's
+min_prompt_tokens).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 # [readme:chat]
 import popcompile
@@ -31,13 +35,20 @@ def chat(folder, turns, max_new_tokens=48):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", help="engine folder")
+    parser.add_argument("--out", default="engines/smol", help="engine folder (compiled from --model if it holds none)")
+    parser.add_argument("--model", default="smollm2-135m", help="shipped name, .gguf or HF folder")
+    parser.add_argument("--kv-calibration", default="auto", help="auto (POP+), none (the paper's POP) or a file")
+    parser.add_argument("--min-prompt-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--turn", action="append", help="a user message (repeat; default: two built-in turns)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     turns = args.turn or ["Name one use of a compiler.", "Say it again in five words."]
     try:
-        chat(args.engine, turns, args.max_new_tokens)
+        if not (Path(args.out) / "popcompile.json").is_file():
+            print(f"compiling {args.model} into {args.out}", file=sys.stderr)
+            config = popcompile.PopConfig(kv_calibration=args.kv_calibration, min_prompt_tokens=args.min_prompt_tokens)
+            popcompile.compile(args.model, config, out=args.out)
+        chat(args.out, turns, args.max_new_tokens)
     except popcompile.PopcompileError as err:
         print(f"chat: {err}", file=sys.stderr)
         return 2

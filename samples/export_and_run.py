@@ -16,11 +16,11 @@ import popcompile
 
 
 def export_and_run(model="smollm2-135m", out="engines/smol", prompt="Write a haiku about compilers.",
-                   config=popcompile.PopConfig()):  # POP+ weights, the deep third pruned, threshold measured
+                   config=popcompile.PopConfig(), max_new_tokens=32):  # POP+, deep third pruned, threshold measured
     manifest = popcompile.compile(model, config, out=out, force=True)  # force: replace an older engine folder
     session = popcompile.open_session(out)  # onnxruntime on the CPU; runtime="tensorrt" on an NVIDIA GPU
     for mode in ("pop", "full"):  # POP's prefill, then the full model's; the decode graph is the same
-        result = session.generate(prompt, {"max_new_tokens": 32, "greedy": True}, mode=mode)[0]
+        result = session.generate(prompt, {"max_new_tokens": max_new_tokens, "greedy": True}, mode=mode)[0]
         print(f"{mode} (cut {manifest.cut}/{manifest.num_layers}, {result.prefill} prefill): "
               f"first token after {result.ttft_s:.3f} s: {result.text!r}")
 # [/readme]
@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-calibration", default="auto", help="auto (POP+), none (the paper's POP) or a file")
     parser.add_argument("--min-prompt-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--max-seq", type=int, help="KV buffer length (default: min(4096, model limit))")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     config = popcompile.PopConfig(kv_calibration=args.kv_calibration, min_prompt_tokens=args.min_prompt_tokens,
                                   max_seq=args.max_seq)
     try:
-        export_and_run(args.model, args.out, args.prompt, config)
+        export_and_run(args.model, args.out, args.prompt, config, args.max_new_tokens)
     except popcompile.PopcompileError as err:
         print(f"export_and_run: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """samples/ run as users run them (a subprocess each, on a tiny random model), and the docs quote them.
 
-A ```python block of README.md or docs/*.md must be, character for character, a ``# [readme:NAME]`` region of a sample, and
-every region must be in the README: the snippets cannot drift from code that CI runs.
+Every samples/*.py is run by some test here (a ``run_sample`` call naming it). A ```python block of README.md or
+docs/*.md must be, character for character, a ``# [readme:NAME]`` ... ``# [/readme]`` region of a sample (dedented),
+and every region must be in the README: the snippets cannot drift from code that CI runs.
 """
 from __future__ import annotations
 
@@ -14,17 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_model
-from tiny_engine import tiny_tokenizer
+from tiny_engine import has_tensorrt_gpu, tiny_hf_folder
 
 from popcompile import reference
-from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples"
-TESTED = {"export_and_run.py", "chat.py", "torch_compile.py", "tensorrt_deploy.py"}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-REGION = re.compile(r"^# \[readme:(\w+)\]\n(.*?)^# \[/readme\]\n", re.S | re.M)
+REGION = re.compile(r"^[ \t]*# \[readme:(\w+)\]\n(.*?)^[ \t]*# \[/readme\]\n", re.S | re.M)
+MARKER = re.compile(r"^[ \t]*# \[/?readme\b", re.M)
+FAST = ("--kv-calibration", "none", "--min-prompt-tokens", "0", "--max-seq", "64", "--max-new-tokens", "4")
 
 
 def run_sample(name: str, *args) -> subprocess.CompletedProcess:
@@ -34,45 +34,56 @@ def run_sample(name: str, *args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
-    """A tiny llama as a Hugging Face folder, its tokenizer with a chat template."""
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    model = tiny_model("llama", layers=6, max_position_embeddings=256)
-    tokenizer = tiny_tokenizer(model.config.vocab_size)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    model.generation_config.eos_token_id = None  # random weights: no early stop, every run the same length
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    """A tiny llama as a Hugging Face folder, its tokenizer with a chat template; no eos (no early stop: every
+    run the same length). Two pruned layers (cut 4/6; with one, POP's K/V would be the full model's own) and
+    weights large enough that POP's greedy tokens differ from the full model's on the prompts below."""
+    return tiny_hf_folder(tmp_path_factory.mktemp("tiny-hf"), layers=6, initializer_range=0.1,
+                          max_position_embeddings=256, chat_template=CHAT_TEMPLATE, eos=False)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_folder, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("engines") / "tiny"
-    done = run_sample("export_and_run.py", "--model", tiny_folder, "--out", out, "--kv-calibration", "none",
-                      "--min-prompt-tokens", "0", "--max-seq", "64", "--prompt", "t1 t2 t3 t4 t5 t6 t7 t8")
+    done = run_sample("export_and_run.py", "--model", tiny_folder, "--out", out, *FAST,
+                      "--prompt", "t1 t2 t3 t4 t5 t6 t7 t8")
     return out, done
 
 
-def test_samples_are_all_tested():
-    assert {p.name for p in SAMPLES.glob("*.py")} == TESTED
+def test_every_sample_is_run_by_a_test():
+    run_here = set(re.findall(r'run_sample\("(\w+\.py)"', Path(__file__).read_text()))
+    assert sorted(p.name for p in SAMPLES.glob("*.py")) == sorted(run_here)
 
 
 def test_export_and_run_compiles_and_generates_with_pop_and_full(engine):
     out, done = engine
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("pop (cut 4/6, pop prefill): first token after ")
-    assert lines[1].startswith("full (cut 4/6, full prefill): first token after ")
+    assert len(lines) == 2, done.stdout
+    texts = []
+    for line, mode in zip(lines, ("pop", "full")):  # each mode ran its own prefill and printed its 4 tokens' text
+        head, text = re.fullmatch(r"(\w+ \(cut 4/6, \w+ prefill\)): first token after [\d.]+ s: ('.*'|\".*\")",
+                                  line).groups()
+        assert head == f"{mode} (cut 4/6, {mode} prefill)"
+        texts.append(ast.literal_eval(text))
+    assert texts[0].strip() and texts[1].strip() and texts[0] != texts[1]  # on this model POP's tokens differ
     assert (out / "popcompile.json").is_file() and (out / "prefill.onnx").is_file()
 
 
 def test_chat_streams_two_turns_over_the_whole_conversation(engine):
     out, _ = engine
-    done = run_sample("chat.py", out, "--turn", "t1 t2 t3", "--turn", "t4 t5", "--max-new-tokens", "4")
+    done = run_sample("chat.py", "--out", out, "--turn", "t1 t2 t3", "--turn", "t4 t5", "--max-new-tokens", "4")
     assert done.returncode == 0, done.stderr
+    assert "compiling" not in done.stderr  # the engine in --out is used as it is
     stats = re.findall(r"\[(\d+) prompt tokens, pop prefill, [\d.]+ s to the first token\]", done.stdout)
     assert done.stdout.count("> ") == 2 and len(stats) == 2
     assert int(stats[1]) > int(stats[0]) + 2  # the second turn's prompt holds the first turn and its reply
+
+
+def test_chat_compiles_the_model_when_out_holds_no_engine(tmp_path):
+    out = tmp_path / "new"
+    done = run_sample("chat.py", "--out", out, "--model", tmp_path / "missing", "--kv-calibration", "none")
+    assert done.returncode == 2 and done.stderr.startswith(f"compiling {tmp_path / 'missing'} into {out}\nchat: ")
+    assert len(done.stderr.splitlines()) == 2 and not out.exists()
 
 
 def test_torch_compile_gives_the_pop_reference_tokens(tiny_folder):
@@ -80,52 +91,50 @@ def test_torch_compile_gives_the_pop_reference_tokens(tiny_folder):
     done = run_sample("torch_compile.py", "--model", tiny_folder, "--inner", "eager", "--min-prompt-tokens", "0",
                       "--max-new-tokens", "6", "--prompt", prompt)
     assert done.returncode == 0, done.stderr
-    got = ast.literal_eval(re.search(r"^pop:  (\[.*\])$", done.stdout, re.M).group(1))
+    printed = {name: ast.literal_eval(tokens)
+               for name, tokens in re.findall(r"^(pop|full): +(\[.*\])$", done.stdout, re.M)}
     from popcompile.models import load_model
 
     loaded = load_model(str(tiny_folder))
     ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        want = reference.generate(loaded.model, ids, 6, reference.Variant(4))
-    assert got == want
-
-
-def _has_gpu() -> bool:
-    try:
-        require_gpu()
-    except TensorRTUnavailable:
-        return False
-    return True
+        pop = reference.generate(loaded.model, ids, 6, reference.Variant(4))  # eager POP, cut 4 of 6
+        full = loaded.model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert printed == {"pop": pop, "full": full} and pop != full
 
 
 def test_tensorrt_deploy(tiny_folder, tmp_path):
     out = tmp_path / "trt"
-    done = run_sample("tensorrt_deploy.py", "--model", tiny_folder, "--out", out)
-    if _has_gpu():
+    done = run_sample("tensorrt_deploy.py", "--model", tiny_folder, "--out", out, "--precision", "fp32", *FAST)
+    if has_tensorrt_gpu():
         assert done.returncode == 0, done.stderr
-        assert "prefill, first token after" in done.stdout
+        assert re.fullmatch(r"pop prefill, first token after [\d.]+ ms: ('.*'|\".*\")\n", done.stdout), done.stdout
     else:  # stops at once, one line naming what is missing, nothing written
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
         assert "NVIDIA GPU" in done.stderr and not out.exists()
 
 
 def regions() -> dict[str, str]:
+    """NAME -> the dedented text of each ``# [readme:NAME]`` region of samples/*.py (names unique, markers paired)."""
     found = {}
     for path in sorted(SAMPLES.glob("*.py")):
-        for name, body in REGION.findall(path.read_text()):
+        text = path.read_text()
+        pairs = REGION.findall(text)
+        assert 2 * len(pairs) == len(MARKER.findall(text)), f"{path.name}: an unpaired or nested readme marker"
+        for name, body in pairs:
+            assert name not in found, f"two regions named {name}"
             found[name] = textwrap.dedent(body).strip("\n")
     return found
 
 
-def readme_snippets() -> list[str]:
-    """The ```python blocks of README.md and docs/*.md."""
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [block.strip("\n") for doc in docs
-            for block in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)]
+def python_blocks(doc: Path) -> list[str]:
+    return [block.strip("\n") for block in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)]
 
 
 def test_readme_python_snippets_are_sample_regions():
-    found, snippets = regions(), readme_snippets()
+    found = regions()
+    readme = python_blocks(ROOT / "README.md")
+    docs = [block for doc in sorted((ROOT / "docs").glob("*.md")) for block in python_blocks(doc)]
     assert set(found) == {"export_and_run", "chat", "torch_compile", "tensorrt_deploy"}
-    assert [s for s in snippets if s not in found.values()] == []
-    assert [name for name, body in found.items() if body not in snippets] == []
+    assert [block for block in readme + docs if block not in found.values()] == []  # no snippet of its own
+    assert [name for name, body in found.items() if body not in readme] == []  # every region in the README
