@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny import tiny_model
-from tiny_engine import tiny_tokenizer
+from tiny_engine import has_tensorrt_gpu, tiny_hf_folder, tiny_tokenizer
 
 import popcompile
 from popcompile.calibrate import fit_kv, save_fit
@@ -16,7 +16,7 @@ from popcompile.cli import main
 from popcompile.config import KVCalibration, PopConfig
 from popcompile.driver import compile, steps
 from popcompile.engine.manifest import EngineManifest
-from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
+from popcompile.engine.tensorrt import TensorRTUnavailable
 from popcompile.errors import ConfigError
 from popcompile.exporters.targets import TARGETS, OnnxTarget, TensorRTTarget, target_for
 from popcompile.exporters.tensorrt import TrtBuildConfig
@@ -27,13 +27,7 @@ LAYERS = 6
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    model = tiny_model("llama", layers=LAYERS, max_position_embeddings=256)
-    tokenizer = tiny_tokenizer(model.config.vocab_size)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_hf_folder(tmp_path_factory.mktemp("tiny-hf"), layers=LAYERS, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +91,7 @@ def test_unknown_target_fails_before_anything(tiny_folder, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _has_gpu() -> bool:
-    try:
-        require_gpu()
-    except TensorRTUnavailable:
-        return False
-    return True
-
-
-@pytest.mark.skipif(_has_gpu(), reason="checks the no-GPU path: this machine has an NVIDIA GPU and tensorrt")
+@pytest.mark.skipif(has_tensorrt_gpu(), reason="checks the no-GPU path: this machine has an NVIDIA GPU and tensorrt")
 def test_tensorrt_target_without_gpu_fails_before_the_model_loads(tmp_path):
     started = time.monotonic()
     with pytest.raises(TensorRTUnavailable, match="NVIDIA GPU"):

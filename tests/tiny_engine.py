@@ -37,3 +37,28 @@ def tiny_engine(model_type: str, out_dir: str | Path, **export_kwargs) -> Path:
     export_kwargs.setdefault("min_prompt_tokens", 0)  # POP for every prompt: the tests choose the path themselves
     export(LoadedModel(model, tokenizer, source), out_dir, **export_kwargs)
     return Path(out_dir)
+
+
+def tiny_hf_folder(folder: str | Path, model_type: str = "llama", *, chat_template: str | None = None,
+                   eos: bool = True, **model_kwargs) -> Path:
+    """Save ``tiny_model(model_type, **model_kwargs)`` and its tokenizer as a Hugging Face folder (a MODEL
+    argument that loads in a second); ``eos=False`` leaves the model no eos, so generations run to length."""
+    model = tiny_model(model_type, **model_kwargs)
+    tokenizer = tiny_tokenizer(model.config.vocab_size)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    model.generation_config.eos_token_id = tokenizer.eos_token_id if eos else None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def has_tensorrt_gpu() -> bool:
+    """An NVIDIA GPU and the tensorrt package are here (engine.tensorrt.require_gpu passes)."""
+    from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
+
+    try:
+        require_gpu()
+    except TensorRTUnavailable:
+        return False
+    return True

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import KVCalibration
 from ..errors import ConfigError
 
 
 def choose_cut(loaded: Any, *, min_agreement: float | None = None, budget: float | None = None,
-               kv_calibration: KVCalibration | str | None = "auto") -> tuple[int, dict]:
+               kv_calibration: Any = "auto") -> tuple[int, dict]:
     """``(cut, record)`` for ``loaded`` (a models.LoadedModel); one of ``min_agreement`` / ``budget``."""
     if min_agreement is not None and budget is not None:
         raise ConfigError("--min-agreement (eval sweep) and --budget (analyze) are two ways to choose: give one")
     if min_agreement is not None:
         from .eval.sweep import choose_cut as sweep_cut
 
-        return sweep_cut(loaded, min_agreement, kv_calibration=KVCalibration.of(kv_calibration).mode == "auto")
+        return sweep_cut(loaded, min_agreement, kv_calibration=kv_calibration)
     from .analyze import DEFAULT_BUDGET, recommended_cut
 
     budget = DEFAULT_BUDGET if budget is None else budget

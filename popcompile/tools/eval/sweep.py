@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from . import data as eval_data
+from ...config import KVCalibration
 from ...errors import ConfigError
 from ...reference import Variant
 
@@ -89,14 +90,16 @@ def auto_cuts(rows: list[dict], thresholds: Iterable[float]) -> dict[str, dict[s
     return picks
 
 
-def choose_cut(model: Any, min_agreement: float, *, kv_calibration: bool = False, limit: int | None = 12,
+def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibration | str | bool | None = None,
+               limit: int | None = 12,
                prefix_len: int = 512, cont_len: int = 48, batch_size: int | None = None) -> tuple[int, dict]:
     """The deepest-pruning cut whose top-1 agreement with the full model is >= ``min_agreement`` on the
     built-in continuation data, and the figures to record (a small JSON-able dict).
 
-    ``model``: a shipped name / path (loaded here) or a ``models.LoadedModel``. ``kv_calibration``:
-    score ``pop-kvfit`` (POP+ weights fitted on the built-in calibration corpus, every cut in one pass)
-    instead of ``pop``: choose it when the engine will be exported with ``--kv-calibration auto``.
+    ``model``: a shipped name / path (loaded here) or a ``models.LoadedModel``. ``kv_calibration``
+    (config.KVCalibration or what it takes): auto scores ``pop-kvfit`` (POP+ weights fitted on the built-in
+    calibration corpus, every cut in one pass) instead of ``pop``, as the engine will be exported; a file,
+    fitted for one cut, cannot be swept (ConfigError).
     Cost: one continuation pass per cut L..ceil(L/2) over ``limit`` documents (SmolLM2, 12 documents:
     about 10 minutes on 2 CPU cores). Raises ValueError when no cut reaches the agreement.
     """
@@ -106,11 +109,15 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: bool = False
 
     if not 0.0 <= min_agreement <= 1.0:
         raise ConfigError(f"min_agreement={min_agreement} is out of range: use 0..1")
+    kv = KVCalibration.of(kv_calibration)
+    if kv.mode == "file":
+        raise ConfigError(f"the cut sweep fits POP+ for every cut itself; {kv.path} was fitted for one cut: "
+                          "give kv_calibration auto or none")
     loaded = load_model(model) if isinstance(model, (str, Path)) else model
     layers = len(decoder_layers(loaded.model))
     docs, _ = eval_data.continuation_documents(loaded.tokenizer, prefix_len, cont_len, limit)
-    name = "pop-kvfit" if kv_calibration else "pop"
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers)) if kv_calibration else None
+    name = "pop-kvfit" if kv.mode == "auto" else "pop"
+    kv_fit = default_kv_fit(loaded, sweep_cuts(layers)) if kv.mode == "auto" else None
     rows = sweep(loaded.model, docs, batch_size=batch_size, variants=[name], kv_fit=kv_fit)
     cut = auto_cut(rows, min_agreement, name)
     row = next(r for r in rows if r["cut"] == cut)
