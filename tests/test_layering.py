@@ -25,6 +25,7 @@ HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "tensorrt", "cuda")
 ENGINE_MAY_USE = ("popcompile.engine", "popcompile.errors", "popcompile.fsutil")
 RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.tools")
 MAY_USE_TOOLS = ("popcompile.commands", "popcompile.tools")
+COMPILER = ("calibrate.py", "driver.py", "pipeline.py", "config.py", "capture.py", "corpus.py", "passes")
 
 
 def module_name(path: Path) -> str:
@@ -109,6 +110,23 @@ def test_runtime_imports_no_exporters_commands_or_quality_tools():
 def test_only_commands_and_tools_import_tools():
     bad = [line for line in violations("", lambda name: True, lambda name: _matches(name, "popcompile.tools"))
            if not any(line.startswith(prefix.replace(".", "/") + "/") for prefix in MAY_USE_TOOLS)]
+    assert bad == []
+
+
+def test_compiler_imports_nothing_from_tools():
+    """The compiler (calibrate, driver, pipeline, config, capture, corpus, passes/) needs no eval data or tools."""
+    def forbidden(name: str) -> bool:
+        return _matches(name, "popcompile.tools")
+
+    bad = []
+    for part in COMPILER:
+        if part.endswith(".py"):
+            path = PACKAGE / part
+            assert path.is_file(), part
+            bad += [f"{part}: {name}" for name in sorted(imports(path.read_text(), module_name(path))) if forbidden(name)]
+        else:
+            assert (PACKAGE / part).is_dir(), part
+            bad += violations(part, lambda name: True, forbidden)
     assert bad == []
 
 

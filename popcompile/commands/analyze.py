@@ -1,6 +1,6 @@
 """``popcompile analyze``: stage-aware layer importance (virtual gates) and a recommended cut.
 
-Defaults live in ``popcompile.analyze.AnalyzeConfig``: options left out here stay None so that the
+Defaults live in ``popcompile.tools.analyze.AnalyzeConfig``: options left out here stay None so that the
 one dataclass decides them (the help texts name the same numbers; a test keeps them in step).
 """
 from __future__ import annotations
