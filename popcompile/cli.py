@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -36,26 +37,49 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like SIGINT so that every ``finally`` (staged folders, temp files, locks) runs."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
+_EXCEPTION_FOR = {signal.SIGTERM: Terminated, signal.SIGINT: KeyboardInterrupt}
+_RETRY_S = 0.05
+
+
+def _inside_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _raise_for_signal(signum, frame) -> None:
+    """Raise the signal's exception, but never inside an import.
+
+    An exception thrown into an extension module's initialisation kills the interpreter (``import onnx``
+    interrupted by SIGTERM: SIGSEGV, and the staged folder and lock stay behind). Inside an import the
+    signal is sent again a moment later, until it lands between imports.
+    """
+    if _inside_import(frame):
+        threading.Timer(_RETRY_S, os.kill, (os.getpid(), signum)).start()
+        return
+    raise _EXCEPTION_FOR[signum]()
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
+def _signals_raise():
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {signum: signal.signal(signum, _raise_for_signal) for signum in _EXCEPTION_FOR
+                if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler)}  # not if ignored
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with _sigterm_raises():
+        with _signals_raise():
             args.handler(args)
     except PopcompileError as err:  # only these are the user's to fix; anything else is a bug: traceback
         if args.debug:

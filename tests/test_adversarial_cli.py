@@ -283,6 +283,35 @@ def test_second_export_fails_at_once_and_sigterm_leaves_nothing(hf, tmp_path, ca
     assert list(tmp_path.iterdir()) == []  # no engine, no partial, no lock
 
 
+_SIGNAL_IN_IMPORT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from popcompile.cli import Terminated, _signals_raise
+start = time.monotonic()
+try:
+    with _signals_raise():
+        import signals_itself  # sends SIGTERM from inside its own import, then takes 0.3 s to finish
+        time.sleep(10)
+except Terminated:
+    print(sys.modules["signals_itself"].FINISHED, round(time.monotonic() - start, 1))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_inside_an_import_is_raised_after_it(tmp_path, signum):
+    """An exception inside an extension module's init crashed the interpreter (SIGSEGV in ``import onnx``)."""
+    (tmp_path / "signals_itself.py").write_text(
+        f"import os, time\nos.kill(os.getpid(), {int(signum)})\ntime.sleep(0.3)\nFINISHED = True\n")
+    if signum == signal.SIGINT:
+        code = _SIGNAL_IN_IMPORT.replace("except Terminated", "except KeyboardInterrupt")
+    else:
+        code = _SIGNAL_IN_IMPORT
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    printed = done.stdout.split()  # [FINISHED, seconds] once Terminated/KeyboardInterrupt was caught
+    assert printed[:1] == ["True"] and float(printed[1]) < 2.0, done.stdout + done.stderr
+
+
 def test_lock_held_by_another_process_names_it(hf, tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys, time\n"
