@@ -1,0 +1,30 @@
+"""POP inside vLLM: a ``vllm.general_plugins`` entry point (pyproject.toml) that vLLM calls in every process.
+
+``register()`` names the POP model classes to vLLM's ``ModelRegistry`` as strings (nothing is imported
+until a POP folder is loaded, after vLLM has forked its workers) and adds the config hook that turns on
+the logits indices POP needs (``settings.PopConfigHook``). A folder from ``popcompile export MODEL
+--target vllm`` names a POP class in ``architectures``; any other model is untouched.
+
+    config.json  "architectures": ["PopLlamaForCausalLM"], "popcompile": {"cut": 20, ...}
+    vllm serve DIR  /  vllm.LLM(DIR)      -> models.PopLlamaForCausalLM (model.pop_forward per step)
+
+Design and measurements: docs/vllm.md.
+"""
+from __future__ import annotations
+
+from .settings import POP_ARCHITECTURES
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """vLLM's plugin hook: register the POP architectures and their config hook (idempotent)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from .settings import PopConfigHook
+
+    for pop_name in POP_ARCHITECTURES:
+        if pop_name not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(pop_name, f"popcompile.vllm_plugin.models:{pop_name}")
+        MODELS_CONFIG_MAP[pop_name] = PopConfigHook

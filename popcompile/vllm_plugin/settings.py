@@ -1,0 +1,90 @@
+"""What a POP folder tells vLLM (config.json's ``popcompile`` entry), validated once; the config hook.
+
+    config.json
+      "architectures": ["PopLlamaForCausalLM"]
+      "popcompile": {"cut": 20, "kv_weights": "pop_kv.safetensors" | null, "format": 1}
+
+``cut == num_hidden_layers`` serves the unpruned model through the same class. Everything here is
+importable without vLLM (the exporter and the tests use it); the hook runs inside vLLM's config build.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import ConfigError, EnvironmentUnavailable, ModelError
+
+VLLM_VERSION = "0.32.0"  # the one vLLM whose attention metadata and model classes this plugin was built on
+FORMAT = 1
+CONFIG_KEY = "popcompile"
+KV_WEIGHTS_FILE = "pop_kv.safetensors"
+KV_PREFIX = "pop_kv."  # tensor names in KV_WEIGHTS_FILE: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias}
+
+# POP class -> the stock vLLM/Hugging Face architecture it serves
+POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM"}
+BASE_TO_POP = {base: pop for pop, base in POP_ARCHITECTURES.items()}
+
+
+@dataclass(frozen=True)
+class PopSettings:
+    cut: int
+    num_layers: int
+    kv_weights: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cut, bool) or not isinstance(self.cut, int) or not 1 <= self.cut <= self.num_layers:
+            raise ModelError(f"config.json popcompile.cut={self.cut!r} is not a layer count in 1..{self.num_layers}: "
+                             "export the folder again with `popcompile export MODEL --target vllm`")
+        if self.kv_weights not in (None, KV_WEIGHTS_FILE):
+            raise ModelError(f"config.json popcompile.kv_weights={self.kv_weights!r}: expected {KV_WEIGHTS_FILE!r} "
+                             "or null; export the folder again")
+
+    @property
+    def prunes(self) -> bool:
+        return self.cut < self.num_layers
+
+    @classmethod
+    def of(cls, hf_config: Any) -> PopSettings:
+        entry = getattr(hf_config, CONFIG_KEY, None)
+        if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
+            raise ModelError(f"config.json has no readable {CONFIG_KEY!r} entry of format {FORMAT} ({entry!r}): "
+                             "make the folder with `popcompile export MODEL --target vllm`")
+        return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers, kv_weights=entry.get("kv_weights"))
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "cut": self.cut, "kv_weights": self.kv_weights}
+
+
+def check_vllm_version(version: str) -> None:
+    if version != VLLM_VERSION:
+        raise EnvironmentUnavailable(
+            f"vLLM {version} is installed; popcompile's POP plugin is built for vLLM {VLLM_VERSION} "
+            f"(pip install \"popcompile[vllm]\", or `pip install vllm=={VLLM_VERSION}`), or serve the folder's "
+            "model without POP")
+
+
+class PopConfigHook:
+    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``): checks the folder and the deployment, and
+    turns on ``kv_sharing_fast_prefill`` so that the model runner hands the model the logits indices
+    (the tokens that survive into the deep layers) and refuses ``prompt_logprobs``."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        import vllm
+
+        check_vllm_version(vllm.__version__)
+        settings = PopSettings.of(vllm_config.model_config.hf_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+                              f"{parallel.pipeline_parallel_size}: the POP plugin serves one device per model "
+                              "for now; set both to 1")
+        if vllm_config.speculative_config is not None:
+            raise ConfigError("speculative decoding with a POP folder: drafts need the full model's logits "
+                              "for every token; serve without speculative_config")
+        if settings.prunes:
+            vllm_config.cache_config.kv_sharing_fast_prefill = True
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: Any) -> None:
+        return
