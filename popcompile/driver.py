@@ -6,7 +6,8 @@
                  calibrate.kv_fit
       capture    capture.capture              the decode graph (torch.export, explicit KV interface)
       POP pass   pipeline.pop_graphs          the prefill graph (passes/boundary.py or passes/pop.py)
-      export     exporters.targets.TARGETS    ONNX (+ TensorRT plans) written into a staged folder
+      export     exporters.targets.TARGETS    ONNX (+ TensorRT plans), or a vLLM folder (no capture, no
+                                              POP pass: vLLM runs the model), written into a staged folder
       threshold  runtime.open_session         min_prompt_tokens measured on the new folder ("auto")
       manifest   engine.manifest              written last; the staged folder is renamed into place
 
@@ -22,7 +23,7 @@ import copy
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -36,7 +37,10 @@ from .exporters.targets import Target, target_for
 from .fsutil import destination_lock, staged_folder
 from .models import LoadedModel, load_model
 from .passes.pop import KVWeights
-from .pipeline import pop_graphs
+from .pipeline import GraphPair, pop_graphs
+
+if TYPE_CHECKING:
+    from .exporters.vllm import ServingFolder
 
 STEPS = ("load", "calibrate", "capture", "POP pass")
 MEASURE_STEP = "measure min_prompt_tokens"
@@ -44,11 +48,12 @@ MEASURE_STEP = "measure min_prompt_tokens"
 
 def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *, out: str | Path,  # noqa: A001
             target: str | Target = "onnx", force: bool = False,
-            progress: Callable[[str], None] | None = None) -> EngineManifest:
-    """Compile ``model`` with POP into the engine folder ``out``; returns its manifest (module docstring)."""
+            progress: Callable[[str], None] | None = None) -> EngineManifest | ServingFolder:
+    """Compile ``model`` with POP into the engine folder ``out``; returns its manifest (module docstring), for
+    the vllm target a ServingFolder."""
     config, target, out = config or PopConfig(), target_for(target), Path(out)
     step = progress or (lambda name: None)
-    target.preflight()
+    target.preflight(config)
     check_output_folder(out, force)
     early_fit = read_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
     with destination_lock(out):
@@ -57,21 +62,32 @@ def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *,
         loaded, owned = (model, False) if isinstance(model, LoadedModel) else (load_model(model), True)
         step("calibrate")
         cut, fit = calibrate(loaded, config, early_fit)
-        step("capture")
-        captured = capture(cast_model(loaded.model, config.dtype, in_place=owned), max_seq=config.max_seq)
-        step("POP pass")
-        pair = pop_graphs(captured, cut, fit and cast_weights(fit.weights, config.dtype), config.boundary)
+        model = cast_model(loaded.model, config.dtype, in_place=owned)
+        pair = graphs(model, config, cut, fit, step) if target.graphs else None
+        if not target.graphs and model is not loaded.model:
+            loaded = dataclasses.replace(loaded, model=model)
         with staged_folder(out, replace=force) as tmp:
-            manifest = target.write(tmp, loaded, pair, fit, config.cut_choice and dict(config.cut_choice), step)
-            manifest = with_min_prompt_tokens(tmp, manifest, config, target, step)
+            manifest = target.write(tmp, loaded, cut, pair, fit, config.cut_choice and dict(config.cut_choice), step)
+            if target.runtime is not None:
+                manifest = with_min_prompt_tokens(tmp, manifest, config, target, step)
             check_output_folder(out, force)  # nothing but an engine folder is ever swapped out
     return manifest
 
 
+def graphs(model: torch.nn.Module, config: PopConfig, cut: int, fit: KVFit | None,
+           step: Callable[[str], None]) -> GraphPair:
+    """The captured decode graph and its POP prefill graph."""
+    step("capture")
+    captured = capture(model, max_seq=config.max_seq)
+    step("POP pass")
+    return pop_graphs(captured, cut, fit and cast_weights(fit.weights, config.dtype), config.boundary)
+
+
 def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:
     """The names ``compile`` reports to ``progress``, in order (for a progress bar's total)."""
-    measure = [MEASURE_STEP] if config.min_prompt_tokens == "auto" else []
-    return [*STEPS, *target_for(target).steps, *measure]
+    target = target_for(target)
+    measure = [MEASURE_STEP] if config.min_prompt_tokens == "auto" and target.runtime is not None else []
+    return [*(STEPS if target.graphs else STEPS[:2]), *target.steps, *measure]
 
 
 def calibrate(loaded: LoadedModel, config: PopConfig, fit: KVFit | None = None) -> tuple[int, KVFit | None]:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..engine.manifest import BOUNDARIES
+from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
 from . import build_trt
 from .common import CliError, add_cut_options, check_range, precheck_model, quiet_libraries
@@ -31,8 +32,9 @@ def register(sub) -> None:
                    help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit now on "
                         "the built-in corpus, 2-5 min on CPU; better quality at no inference cost, docs/results.md), "
                         "none (the paper's POP), or a file from `popcompile calibrate`")
-    p.add_argument("--target", choices=["onnx", "tensorrt"], default="onnx",
-                   help="engine format (default onnx; tensorrt needs an NVIDIA GPU)")
+    p.add_argument("--target", choices=list(TARGETS), default="onnx",
+                   help="engine format (default onnx; tensorrt needs an NVIDIA GPU; vllm writes a folder that "
+                        "`vllm serve` runs with POP, docs/vllm.md)")
     p.add_argument("--force", action="store_true", help="replace --out if it is an engine folder (only once the new "
                                                         "one is complete; any other folder is refused)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
@@ -71,17 +73,20 @@ def cmd_export(args) -> None:
     target = _target(args)
     _check_auto_cut_calibration(args, config)
     check_output_folder(args.out, args.force)
-    target.preflight()  # no GPU for TensorRT: fail now, not after the ONNX export
+    target.preflight(config)  # no GPU for TensorRT: fail now, not after the ONNX export
     precheck_model(args.model)
     with destination_lock(args.out):  # held through the cut choice too; a second export fails here, at once
         manifest = _compile(args, config, target)
-    print(manifest.to_json() if args.json else summary(args.out, manifest))
+    if args.json:
+        print(manifest.to_json())
+    else:
+        print(summary(args.out, manifest) if target.runtime else manifest.summary(args.out))
 
 
 def _target(args):
-    from ..exporters.targets import OnnxTarget, TensorRTTarget
-
-    return TensorRTTarget(build_trt.build_config(args)) if args.target == "tensorrt" else OnnxTarget()
+    if args.target == "tensorrt":
+        return TARGETS["tensorrt"](build_trt.build_config(args))
+    return TARGETS[args.target]()
 
 
 def _check_auto_cut_calibration(args, config) -> None:

@@ -1,6 +1,7 @@
 """What an export checks of its destination before torch loads (no torch or onnx import; PopConfig checks the options).
 
-``force`` may replace only a popcompile engine folder: one whose manifest parses and names our format.
+``force`` may replace only a popcompile engine folder: one whose manifest parses and names our format, or
+a vLLM folder from ``--target vllm`` (its config.json's ``popcompile`` entry names our format).
 A folder holding anything else (a thesis, a dataset) is refused, whatever ``force`` says.
 """
 from __future__ import annotations
@@ -11,14 +12,23 @@ from pathlib import Path
 from ..engine.manifest import FORMAT, MANIFEST
 from ..errors import OutputError
 from ..fsutil import check_destination
+from ..vllm_plugin import settings as vllm_settings
 
 def is_engine_folder(path: Path) -> bool:
-    """``path`` holds a popcompile manifest that parses (what ``force`` may replace)."""
+    """``path`` holds a popcompile manifest that parses, or is a vLLM folder we wrote (what ``force`` may replace)."""
+    manifest = _read_json(path / MANIFEST)
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
+        return True
+    config = _read_json(path / "config.json")
+    entry = config.get(vllm_settings.CONFIG_KEY) if isinstance(config, dict) else None
+    return isinstance(entry, dict) and entry.get("format") == vllm_settings.FORMAT
+
+
+def _read_json(path: Path):
     try:
-        data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == FORMAT
+        return None
 
 
 def check_output_folder(out_dir: Path, force: bool) -> None:

@@ -3,11 +3,14 @@
     "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime
     "tensorrt"  the same ONNX folder, then prefill.plan + decode.plan built from it (exporters/tensorrt.py);
                 runs on the TensorRT runtime; needs an NVIDIA GPU and the ``tensorrt`` package
+    "vllm"      a Hugging Face folder naming a POP class (exporters/vllm.py) that vLLM serves with the
+                plugin in popcompile.vllm_plugin; no graphs (vLLM runs the model), no manifest
 
 A target is a frozen dataclass holding its own build options. The driver calls, in order:
 ``preflight()`` (before the model loads: fail in a second, not after minutes), ``write(folder, ...)``
 (into the staged folder, returning its manifest) and names ``runtime`` to measure
-``min_prompt_tokens`` with. Heavy imports (torch, onnx, tensorrt) happen inside ``write``.
+``min_prompt_tokens`` with (None: the folder has no popcompile runtime). ``graphs``: whether the driver
+captures the model and runs the POP pass for it. Heavy imports (torch, onnx, tensorrt) happen inside ``write``.
 """
 from __future__ import annotations
 
@@ -19,8 +22,12 @@ from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
 
+VLLM_WRITE_STEP = "write vLLM folder"
+
 if TYPE_CHECKING:
     from ..calibrate import KVFit
+    from ..config import PopConfig
+    from .vllm import ServingFolder
     from ..models import LoadedModel
     from ..pipeline import GraphPair
 
@@ -35,11 +42,12 @@ class OnnxTarget:
     name = "onnx"
     runtime = "onnxruntime"
     steps = ONNX_STEPS
+    graphs = True
 
-    def preflight(self) -> None:
+    def preflight(self, config: PopConfig) -> None:
         """Nothing to check: onnx and onnxruntime are dependencies."""
 
-    def write(self, folder: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None,
+    def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
               cut_choice: dict | None, step: Step) -> EngineManifest:
         from .onnx import write_engine
 
@@ -54,23 +62,53 @@ class TensorRTTarget:
     name = "tensorrt"
     runtime = "tensorrt"
     steps = ONNX_STEPS + BUILD_STEPS
+    graphs = True
 
-    def preflight(self) -> None:
+    def preflight(self, config: PopConfig) -> None:
         from ..engine.tensorrt import require_gpu
 
         require_gpu()  # TensorRTUnavailable naming what is missing, before the long ONNX export
 
-    def write(self, folder: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None,
+    def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
               cut_choice: dict | None, step: Step) -> EngineManifest:
         from .tensorrt import build_engines
 
-        OnnxTarget().write(folder, loaded, pair, fit, cut_choice, step)
+        OnnxTarget().write(folder, loaded, cut, pair, fit, cut_choice, step)
         build_engines(folder, self.build, progress=step, force=True)
         return EngineManifest.read(folder)
 
 
-Target = Union[OnnxTarget, TensorRTTarget]
-TARGETS: dict[str, type] = {"onnx": OnnxTarget, "tensorrt": TensorRTTarget}
+@dataclass(frozen=True)
+class VllmTarget:
+    """A Hugging Face folder that vLLM serves with POP (popcompile.vllm_plugin); vLLM is not needed to write it."""
+
+    name = "vllm"
+    runtime = None
+    steps = (VLLM_WRITE_STEP,)
+    graphs = False
+
+    def preflight(self, config: PopConfig) -> None:
+        """Options that shape popcompile's own engines mean nothing to vLLM: refused, not ignored."""
+        if config.boundary != "folded":
+            raise ConfigError(f"--boundary {config.boundary} (boundary={config.boundary!r}) lays out ONNX graphs; "
+                              "in vLLM the last prompt token always runs the full model: drop it for --target vllm")
+        if config.max_seq is not None:
+            raise ConfigError(f"--max-seq {config.max_seq} (max_seq={config.max_seq}) sizes popcompile's KV "
+                              "buffers; vLLM pages its own: give vLLM max_model_len instead, for --target vllm")
+        if config.min_prompt_tokens not in ("auto", 0):
+            raise ConfigError(f"--min-prompt-tokens {config.min_prompt_tokens} (min_prompt_tokens="
+                              f"{config.min_prompt_tokens}) is not supported by the vLLM plugin yet: it prunes every "
+                              "prompt; drop it for --target vllm")
+
+    def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: None, fit: KVFit | None,
+              cut_choice: dict | None, step: Step) -> ServingFolder:
+        from .vllm import write_folder
+
+        return write_folder(folder, loaded, cut, fit, step)
+
+
+Target = Union[OnnxTarget, TensorRTTarget, VllmTarget]
+TARGETS: dict[str, type] = {"onnx": OnnxTarget, "tensorrt": TensorRTTarget, "vllm": VllmTarget}
 
 
 def target_for(target: str | Target) -> Target:

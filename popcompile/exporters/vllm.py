@@ -1,0 +1,106 @@
+"""The vLLM target's writer: a Hugging Face folder that ``vllm serve DIR`` / ``vllm.LLM(DIR)`` load with POP.
+
+    DIR/
+      config.json            the model's, with "architectures": ["Pop<Arch>"] and "popcompile": {cut, kv_weights}
+      model.safetensors      the model's weights, untouched (save_pretrained; sharded with an index if large)
+      pop_kv.safetensors     POP+ only: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias} for l >= cut
+      tokenizer, chat template, generation_config.json
+
+The POP classes live in popcompile.vllm_plugin (the ``vllm.general_plugins`` entry point); this module
+needs no vLLM. ``ServingFolder`` is what the export reports (``--json``).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from ..calibrate import KVFit
+from ..errors import UnsupportedModelError
+from ..fsutil import atomic_write
+from ..models import LoadedModel
+from .targets import VLLM_WRITE_STEP
+from ..vllm_plugin.settings import BASE_TO_POP, CONFIG_KEY, KV_PREFIX, KV_WEIGHTS_FILE, VLLM_VERSION, PopSettings
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ServingFolder:
+    """What ``export --target vllm`` wrote (printed by the CLI; nothing reads it back but vLLM's config)."""
+
+    model: str
+    architecture: str
+    num_layers: int
+    cut: int
+    kv_weights: str | None
+    dtype: str
+    vllm_version: str = VLLM_VERSION
+    target: str = "vllm"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def summary(self, folder: Path) -> str:
+        pruned = (f"layers {self.cut}..{self.num_layers - 1} pruned in prefill" if self.cut < self.num_layers
+                  else "nothing pruned")
+        calibration = "POP+ K/V weights" if self.kv_weights else "the model's own K/V projections (POP)"
+        return (f"{folder}: {self.model} as {self.architecture}, {self.num_layers} layers, cut {self.cut} ({pruned}), "
+                f"{calibration}, {self.dtype}\nserve it with vLLM {self.vllm_version} and popcompile installed: "
+                f"`vllm serve {folder}` or vllm.LLM({str(folder)!r})")
+
+
+def pop_architecture(loaded: LoadedModel) -> str:
+    """The POP class serving this model; UnsupportedModelError naming the ones the plugin has."""
+    names = list(getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__])
+    for name in names:
+        if name in BASE_TO_POP:
+            return BASE_TO_POP[name]
+    raise UnsupportedModelError(f"{'/'.join(names)} has no POP class for vLLM yet (supported: "
+                                f"{', '.join(BASE_TO_POP)}): export it with --target onnx")
+
+
+def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None,
+                 step: Callable[[str], None]) -> ServingFolder:
+    step(VLLM_WRITE_STEP)
+    architecture = pop_architecture(loaded)
+    config = loaded.model.config
+    settings = PopSettings(cut=cut, num_layers=config.num_hidden_layers, kv_weights=fit and KV_WEIGHTS_FILE)
+    loaded.model.save_pretrained(tmp)
+    loaded.tokenizer.save_pretrained(tmp)
+    if fit is not None:
+        tensors = kv_tensors(fit, dtype=next(loaded.model.parameters()).dtype)
+        save_file(tensors, str(tmp / KV_WEIGHTS_FILE), metadata={"format": "pt"})
+        _add_to_index(tmp, tensors)
+    data = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+    data["architectures"] = [architecture]
+    data[CONFIG_KEY] = {**settings.to_json(), "popcompile_version": importlib.metadata.version("popcompile")}
+    atomic_write(tmp / "config.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    return ServingFolder(model=loaded.source.name, architecture=architecture, num_layers=settings.num_layers,
+                         cut=cut, kv_weights=settings.kv_weights, dtype=dtype)
+
+
+def kv_tensors(fit: KVFit, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """POP+ weights under the names the plugin loads: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias}."""
+    tensors = {}
+    for layer, parts in fit.weights.items():
+        for part, projection in parts.items():
+            tensors[f"{KV_PREFIX}layers.{layer}.{part}.weight"] = projection.weight.to(dtype).contiguous()
+            if projection.bias is not None:
+                tensors[f"{KV_PREFIX}layers.{layer}.{part}.bias"] = projection.bias.to(dtype).contiguous()
+    return tensors
+
+
+def _add_to_index(folder: Path, tensors: dict) -> None:
+    """A sharded checkpoint's index lists every file vLLM may load: add the POP+ file to it."""
+    index = folder / INDEX
+    if index.is_file():
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data["weight_map"].update({name: KV_WEIGHTS_FILE for name in tensors})
+        atomic_write(index, json.dumps(data, indent=2, sort_keys=True) + "\n")
