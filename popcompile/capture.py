@@ -18,6 +18,7 @@ attention function, so the graph has no guard on T == 1 or P == 0 and no `If` no
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -102,8 +103,8 @@ class DecoderWithKV(torch.nn.Module):
         masks = {kind: build_mask(attention_mask, seq_len, w) for kind, w in self.windows.items()}
         mask = masks if self.spec.mask_mapping else next(iter(masks.values()))
         out = self.model.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-            cache=Cache(layers=layers), use_cache=True,
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+            **{cache_keyword(self.model.model): Cache(layers=layers)},
         )
         logits = self.model.lm_head(out.last_hidden_state[:, -1])  # [B, V]
         present = [t for layer in layers for t in layer.new]
@@ -123,6 +124,12 @@ class CapturedModel:
     @property
     def input_names(self) -> list[str]:
         return ["input_ids", "position_ids", "attention_mask", *self.layout.past_names]
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward keyword that takes the KV cache: ``cache`` in transformers 5.2x+, ``past_key_values`` before
+    (vLLM 0.32 pins transformers <5.20, and popcompile.reference runs beside it)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .capture import use_attention
+from .capture import cache_keyword, use_attention
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def _removed_after(handles: list) -> Iterator[None]:
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
     """One forward of ``ids`` [B, T] after ``cache``; returns logits [B, T, V]."""
     positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
-    return model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits
+    return model(input_ids=ids, position_ids=positions, use_cache=True, **{cache_keyword(model): cache}).logits
 
 
 @torch.no_grad()
