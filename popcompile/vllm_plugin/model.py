@@ -8,7 +8,7 @@ One step, T tokens (prompt chunks and decode tokens of several requests), S surv
     returns              [T, hidden]: the survivors' final hidden states in their rows (logits are read there)
 
 A step in which every token survives (decode only, or vLLM's warm-up) runs the stock stack unchanged.
-POP+ (``PopKV.fitted``): the deep layers' K/V projections of h_cut use fitted weights instead of W_K, W_V.
+POP+ (``PopKV``): the deep layers' K/V projections of h_cut use fitted weights instead of W_K, W_V.
 """
 from __future__ import annotations
 
@@ -33,36 +33,38 @@ def use_survivor_backend(model: nn.Module, cut: int) -> None:
 
 
 class PopKV(nn.Module):
-    """The deep layers' K/V projections of h_cut: copies of the model's own ``k_proj``/``v_proj`` (POP), or
-    the fitted ones of settings.KV_WEIGHTS_FILE (POP+). Own copies: vLLM's CPU linear layers repack
-    their weights after loading, so ``qkv_proj.weight`` cannot be sliced."""
+    """The deep layers' K/V projections of h_cut: copies of the model's own ``k_proj``/``v_proj`` (POP),
+    replaced by the fitted ones of settings.KV_WEIGHTS_FILE where it has them (POP+: layers cut+1..L-1;
+    layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear layers
+    repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced."""
 
-    def __init__(self, model: nn.Module, cut: int, bias: bool, fitted: bool):
+    def __init__(self, model: nn.Module, cut: int, bias: bool):
         super().__init__()
-        self.cut, self.fitted = cut, fitted
+        self.cut = cut
         self.layers = nn.ModuleList(_kv_pair(layer.self_attn, bias) for layer in model.layers[cut:])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, set[str]]:
-        """Takes ``pop_kv.layers.{l}.{k|v}_proj.*`` (POP+), or copies ``model.layers.{l}.self_attn.{k|v}_proj.*``
-        of the deep layers (POP); returns the weights for the stock loader and the names loaded here."""
-        params, stock, loaded = dict(self.named_parameters()), [], set()
+        """Copies ``model.layers.{l}.self_attn.{k|v}_proj.*`` of the deep layers, then lets
+        ``pop_kv.layers.{l}.{k|v}_proj.*`` (POP+) override them, in whatever order the files come;
+        returns the weights for the stock loader and the names loaded here."""
+        params, stock, fitted = dict(self.named_parameters()), [], set()
         for name, tensor in weights:
+            fit = name.startswith(KV_PREFIX)
             local = self._local_name(name)
-            if local is not None:
+            if local is not None and (fit or local not in fitted):
                 params[local].data.copy_(tensor)
-                loaded.add(f"{KV_PREFIX}{local}")
-            if not name.startswith(KV_PREFIX):
+                if fit:
+                    fitted.add(local)
+            if not fit:
                 stock.append((name, tensor))
-        return stock, loaded
+        return stock, {f"{KV_PREFIX}{name}" for name in params}
 
     def _local_name(self, name: str) -> str | None:
         parts = name.split(".")  # pop_kv.layers.20.k_proj.weight | model.layers.20.self_attn.k_proj.weight
-        if self.fitted != (parts[0] == KV_PREFIX.rstrip(".")) or len(parts) < 5 or parts[1] != "layers":
+        if len(parts) < 5 or parts[1] != "layers" or parts[-2] not in ("k_proj", "v_proj"):
             return None
-        layer, projection = int(parts[2]), parts[-2]
-        if layer < self.cut or projection not in ("k_proj", "v_proj"):
-            return None
-        return f"layers.{layer - self.cut}.{projection}.{parts[-1]}"
+        layer = int(parts[2])
+        return f"layers.{layer - self.cut}.{parts[-2]}.{parts[-1]}" if layer >= self.cut else None
 
 
 def _kv_pair(self_attn: nn.Module, bias: bool) -> nn.Module:

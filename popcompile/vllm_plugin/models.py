@@ -27,7 +27,7 @@ class _PopMixin:
             runner.install()
             use_survivor_backend(self.model, self.pop_settings.cut)
             bias = bool(getattr(self.config, "attention_bias", False))
-            self.pop_kv = PopKV(self.model, self.pop_settings.cut, bias, fitted=bool(self.pop_settings.kv_weights))
+            self.pop_kv = PopKV(self.model, self.pop_settings.cut, bias)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""``export --target vllm``: the folder vLLM loads with POP (no vLLM needed; tests_vllm/ serves it).
+
+What the plugin reads is checked here by name and value: config.json's architecture and ``popcompile``
+entry, the untouched weights and the POP+ tensors; options that shape only popcompile's own engines are
+refused before the model loads.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_adversarial_cli import fails, fit_file
+from tiny_engine import tiny_hf_folder
+
+from popcompile.calibrate import load_fit
+from popcompile.cli import main
+from popcompile.engine.manifest import EngineManifest
+from popcompile.errors import EngineError, ModelError
+from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, PopSettings, is_vllm_folder
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return tiny_hf_folder(tmp_path_factory.mktemp("tiny-hf"), layers=LAYERS, max_position_embeddings=512)
+
+
+def export(hf: Path, out: Path, *extra: str, cut: int = 3) -> dict:
+    assert main(["export", str(hf), "--out", str(out), "--target", "vllm", "--cut", str(cut), "--json", *extra]) == 0
+    return json.loads((out / "config.json").read_text())
+
+
+def test_folder_names_the_pop_class_and_keeps_the_weights(hf, tmp_path, capsys):
+    config = export(hf, tmp_path / "served", "--kv-calibration", "none")
+    report = json.loads(capsys.readouterr().out)
+    assert config["architectures"] == ["PopLlamaForCausalLM"]
+    assert {k: config["popcompile"][k] for k in ("format", "cut", "kv_weights")} == {
+        "format": 1, "cut": 3, "kv_weights": None}
+    assert (report["cut"], report["num_layers"], report["target"]) == (3, LAYERS, "vllm")
+    original, written = load_file(hf / "model.safetensors"), load_file(tmp_path / "served" / "model.safetensors")
+    assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
+    assert (tmp_path / "served" / "tokenizer.json").is_file() and not (tmp_path / "served" / KV_WEIGHTS_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no staging folder, no lock left
+
+
+def test_pop_plus_weights_are_written_under_the_names_the_plugin_loads(hf, tmp_path):
+    fit = fit_file(tmp_path / "fit.safetensors", cut=2, layers=range(3, LAYERS), value=0.25)  # layers cut+1..L-1
+    config = export(hf, tmp_path / "served", "--kv-calibration", str(fit), cut=2)
+    tensors = load_file(tmp_path / "served" / KV_WEIGHTS_FILE)
+    expected = load_fit(fit).weights
+    assert config["popcompile"]["kv_weights"] == KV_WEIGHTS_FILE
+    assert sorted(tensors) == [f"pop_kv.layers.3.{p}.weight" for p in ("k_proj", "v_proj")]
+    assert torch.equal(tensors["pop_kv.layers.3.k_proj.weight"], expected[3]["k_proj"].weight)
+
+
+def test_force_replaces_a_vllm_folder_and_run_refuses_one(hf, tmp_path, capsys):
+    out = tmp_path / "served"
+    export(hf, out, "--kv-calibration", "none")
+    assert main(["export", str(hf), "--out", str(out), "--target", "vllm", "--cut", "2", "--force",
+                 "--kv-calibration", "none"]) == 0
+    assert json.loads((out / "config.json").read_text())["popcompile"]["cut"] == 2 and is_vllm_folder(out)
+    capsys.readouterr()
+    fails(capsys, ["run", out, "--prompt", "hi"], "vllm serve")
+    with pytest.raises(EngineError, match="is a vLLM folder"):
+        EngineManifest.read(out)
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["--boundary", "separate"], "--boundary separate"),
+    (["--max-seq", "64"], "--max-seq 64"),
+    (["--min-prompt-tokens", "8"], "--min-prompt-tokens 8"),
+])
+def test_options_that_only_shape_popcompile_engines_are_refused(hf, tmp_path, capsys, args, culprit):
+    fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", *args], culprit, within_s=5.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_architecture_without_a_pop_class_is_named(tmp_path, capsys):
+    qwen = tiny_hf_folder(tmp_path / "qwen", "qwen2", layers=LAYERS)
+    line = fails(capsys, ["export", qwen, "--out", tmp_path / "served", "--target", "vllm", "--cut", "3",
+                          "--kv-calibration", "none"], "Qwen2ForCausalLM")
+    assert "supported: LlamaForCausalLM" in line and "--target onnx" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen"]
+
+
+@pytest.mark.parametrize("entry, culprit", [
+    (None, "no readable 'popcompile' entry"),
+    ({"format": 1, "cut": 0}, "popcompile.cut=0"),
+    ({"format": 1, "cut": LAYERS + 1}, f"popcompile.cut={LAYERS + 1}"),
+    ({"format": 1, "cut": 2, "kv_weights": "other.safetensors"}, "kv_weights='other.safetensors'"),
+    ({"format": 2, "cut": 2}, "format 1"),
+])
+def test_the_plugin_refuses_a_config_entry_it_cannot_serve(entry, culprit):
+    class HFConfig:
+        num_hidden_layers = LAYERS
+        popcompile = entry
+
+    with pytest.raises(ModelError, match=culprit.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        PopSettings.of(HFConfig())
+    assert PopSettings.of(type("C", (), {"num_hidden_layers": LAYERS,
+                                         "popcompile": {"format": 1, "cut": LAYERS}})()).prunes is False

