@@ -19,7 +19,8 @@ from popcompile.calibrate import load_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import EngineManifest
 from popcompile.errors import EngineError, ModelError
-from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, PopSettings, is_vllm_folder
+from popcompile.engine.vllm_folder import is_vllm_folder
+from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, PopSettings
 
 LAYERS = 4
 

@@ -4,7 +4,8 @@
 
 PROMPTS.json is a list of token-id lists, run in order, each a separate ``generate`` call when
 ENGINE_ARGS has "sequential": true (so prefix caching can reuse an earlier prompt), else one batch.
-OUT.json: [{"tokens": [...], "cached": num_cached_tokens}, ...]. float32, enforce_eager, 1 GiB KV cache.
+OUT.json: [{"tokens": [...], "cached": num_cached_tokens, "logprobs": [of each sampled token]}, ...].
+float32, enforce_eager, 1 GiB KV cache.
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ def main(folder: str, prompts_file: str, out_file: str, engine_args: str = "{}",
     args = json.loads(engine_args)
     sequential = args.pop("sequential", False)
     llm = LLM(model=folder, enforce_eager=True, dtype="float32", max_model_len=4096, seed=0, **args)
-    params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": ids} for ids in json.load(open(prompts_file))]
     batches = [[p] for p in prompts] if sequential else [prompts]
     outputs = [out for batch in batches for out in llm.generate(batch, params, use_tqdm=False)]
-    json.dump([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outputs],
-              open(out_file, "w"))
+    json.dump([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
+                "logprobs": [step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+               for o in outputs], open(out_file, "w"))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: nothing may run on import

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write
-from ..vllm_plugin.settings import is_vllm_folder
 from .kv import KV_DTYPES, KVLayout
+from .vllm_folder import is_vllm_folder
 
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"

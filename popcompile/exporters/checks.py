@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 from ..engine.manifest import FORMAT, MANIFEST
+from ..engine.vllm_folder import is_vllm_folder
 from ..errors import OutputError
 from ..fsutil import check_destination
-from ..vllm_plugin.settings import is_vllm_folder
 
 def is_engine_folder(path: Path) -> bool:
     """``path`` holds a popcompile manifest that parses, or is a vLLM folder we wrote (what ``force`` may replace)."""

@@ -104,7 +104,8 @@ class VllmTarget:
               cut_choice: dict | None, step: Step) -> ServingFolder:
         from .vllm import write_folder
 
-        return write_folder(folder, loaded, cut, fit, step)
+        step(VLLM_WRITE_STEP)
+        return write_folder(folder, loaded, cut, fit)
 
 
 Target = Union[OnnxTarget, TensorRTTarget, VllmTarget]

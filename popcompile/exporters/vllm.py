@@ -15,7 +15,6 @@ import importlib.metadata
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -26,7 +25,6 @@ from ..fsutil import atomic_write
 from ..models import LoadedModel
 from ..vllm_plugin.settings import (BASE_TO_POP, CONFIG_KEY, KV_PREFIX, KV_WEIGHTS_FILE, POP_ARCHITECTURES,
                                     VLLM_VERSION, PopSettings)
-from .targets import VLLM_WRITE_STEP
 
 INDEX = "model.safetensors.index.json"
 
@@ -66,9 +64,7 @@ def pop_architecture(loaded: LoadedModel) -> str:
                                 f"{', '.join(BASE_TO_POP)}): export it with --target onnx")
 
 
-def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None,
-                 step: Callable[[str], None]) -> ServingFolder:
-    step(VLLM_WRITE_STEP)
+def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None) -> ServingFolder:
     architecture = pop_architecture(loaded)
     config = loaded.model.config
     settings = PopSettings(cut=cut, num_layers=config.num_hidden_layers, kv_weights=fit and KV_WEIGHTS_FILE)

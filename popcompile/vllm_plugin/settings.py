@@ -9,16 +9,13 @@ importable without vLLM (the exporter and the tests use it); the hook runs insid
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
+from ..engine.vllm_folder import CONFIG_KEY, FORMAT
 from ..errors import ConfigError, EnvironmentUnavailable, ModelError
 
 VLLM_VERSION = "0.32.0"  # the one vLLM whose attention metadata and model classes this plugin was built on
-FORMAT = 1
-CONFIG_KEY = "popcompile"
 KV_WEIGHTS_FILE = "pop_kv.safetensors"
 KV_PREFIX = "pop_kv."  # tensor names in KV_WEIGHTS_FILE: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias}
 
@@ -55,16 +52,6 @@ class PopSettings:
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "cut": self.cut, "kv_weights": self.kv_weights}
-
-
-def is_vllm_folder(folder: str | Path) -> bool:
-    """``folder`` was written by ``export --target vllm``: its config.json has our entry (no vLLM needed)."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    entry = config.get(CONFIG_KEY) if isinstance(config, dict) else None
-    return isinstance(entry, dict) and entry.get("format") == FORMAT
 
 
 def check_vllm_version(version: str) -> None:
