@@ -77,11 +77,11 @@ def test_config_cut_beyond_the_model_is_named():
 
 
 def test_targets_registry():
-    assert set(TARGETS) == {"onnx", "tensorrt"}
+    assert set(TARGETS) == {"onnx", "tensorrt", "vllm"}
     assert target_for("onnx") == OnnxTarget() and target_for("tensorrt") == TensorRTTarget()
     custom = TensorRTTarget(TrtBuildConfig(precision="fp16"))
     assert target_for(custom) is custom
-    with pytest.raises(ConfigError, match="'tflite' is not an export target: choose one of onnx, tensorrt"):
+    with pytest.raises(ConfigError, match="'tflite' is not an export target: choose one of onnx, tensorrt, vllm"):
         target_for("tflite")
 
 
@@ -111,6 +111,22 @@ def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_
     assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}
     assert manifest.extra["kv_calibration"]["cut"] == 4
     assert steps(PopConfig(), "tensorrt")[-1] == "measure min_prompt_tokens"
+
+
+def test_the_vllm_target_writes_no_graphs_and_measures_nothing(tiny_folder, tmp_path, fit_file):
+    """No capture, no POP pass, no threshold: vLLM runs the model; the caller's float32 model is kept."""
+    model = tiny_model("llama", layers=LAYERS, max_position_embeddings=256)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded = LoadedModel(model, tiny_tokenizer(97), ModelSource("tiny", "folder", "tiny", None))
+    seen: list[str] = []
+    folder = compile(loaded, PopConfig(cut=4, kv_calibration=fit_file, dtype="float16"), out=tmp_path / "served",
+                     target="vllm", progress=seen.append)
+    assert seen == steps(PopConfig(), "vllm") == ["load", "calibrate", "write vLLM folder"]
+    assert (folder.cut, folder.dtype, folder.kv_weights) == (4, "float16", "pop_kv.safetensors")
+    assert sorted(p.name for p in (tmp_path / "served").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "pop_kv.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_compile_keeps_the_callers_model(tiny_folder, tmp_path):

@@ -130,6 +130,21 @@ def test_compiler_imports_nothing_from_tools():
     assert bad == []
 
 
+def test_only_vllm_loads_the_plugin_and_its_settings_need_no_vllm():
+    """Outside vllm_plugin/ only its settings are imported (by the exporter); settings and the entry point's
+    module import no vLLM at module level (the plugin's register() imports it when vLLM calls it)."""
+    outside = [line for line in violations("", lambda name: True,
+                                           lambda name: _matches(name, "popcompile.vllm_plugin")
+                                           and not _matches(name, "popcompile.vllm_plugin.settings"))
+               if not line.startswith("popcompile/vllm_plugin/")]
+    assert outside == []
+    for name in ("settings.py", "__init__.py"):
+        tree = ast.parse((PACKAGE / "vllm_plugin" / name).read_text())
+        top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+        top |= {node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom) and node.level == 0}
+        assert not any(_matches(module, "vllm") for module in top), (name, top)
+
+
 def module_graph() -> dict[str, set[str]]:
     """popcompile module -> the popcompile modules it imports (every import, function-local ones too)."""
     graph = {}
