@@ -118,13 +118,14 @@ async def _load(folder: Path, requests: int, tokens: int, rate: float) -> dict:
 # --- the driver: alternating blocks, medians, the table -------------------------------------------
 
 def run_block(args, folder: Path, kind: str) -> dict:
-    command = [sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--tokens",
+    result = CACHE / f"block-{kind}.json"
+    command = [sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--result", str(result), "--tokens",
                *map(str, args.tokens), "--reps", str(args.reps), "--load", str(args.load), "--load-tokens",
                str(args.load_tokens), "--rate", str(args.rate)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(result.read_text())
 
 
 def table(args, results: dict, cut: int, config) -> str:
@@ -166,12 +167,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the raw measurements here")
     parser.add_argument("--worker", choices=["vanilla", "pop"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         result = measure_single(args.folder, args.tokens, args.reps)
         if args.load:
             result["load"] = measure_load(args.folder, args.load, args.load_tokens, args.rate)
-        print(json.dumps(result))
+        args.result.write_text(json.dumps(result))  # a file: vLLM writes its own lines to stdout
         return
     import transformers
 

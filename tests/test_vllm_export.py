@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from tiny_engine import tiny_hf_folder
 from popcompile.calibrate import load_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import EngineManifest
-from popcompile.errors import EngineError, ModelError
+from popcompile.errors import EngineError, ModelError, UnsupportedModelError
+from popcompile.exporters.vllm import pop_architecture
 from popcompile.engine.vllm_folder import is_vllm_folder
 from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, PopSettings
 
@@ -80,12 +82,13 @@ def test_options_that_only_shape_popcompile_engines_are_refused(hf, tmp_path, ca
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_architecture_without_a_pop_class_is_named(tmp_path, capsys):
-    qwen = tiny_hf_folder(tmp_path / "qwen", "qwen2", layers=LAYERS)
-    line = fails(capsys, ["export", qwen, "--out", tmp_path / "served", "--target", "vllm", "--cut", "3",
-                          "--kv-calibration", "none"], "Qwen2ForCausalLM")
-    assert "supported: LlamaForCausalLM" in line and "--target onnx" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen"]
+def test_an_architecture_without_a_pop_class_is_named():
+    model = SimpleNamespace(config=SimpleNamespace(architectures=["PhiForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="PhiForCausalLM has no POP class for vLLM yet") as err:
+        pop_architecture(SimpleNamespace(model=model))
+    assert "LlamaForCausalLM" in str(err.value) and "--target onnx" in str(err.value)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    assert pop_architecture(SimpleNamespace(model=model)) == "PopQwen3ForCausalLM"
 
 
 @pytest.mark.parametrize("entry, culprit", [

@@ -20,7 +20,7 @@ def main(folder: str, prompts_file: str, out_file: str, engine_args: str = "{}",
 
     args = json.loads(engine_args)
     sequential = args.pop("sequential", False)
-    llm = LLM(model=folder, enforce_eager=True, dtype="float32", max_model_len=4096, seed=0, **args)
+    llm = LLM(model=folder, **{"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "seed": 0, **args})
     params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": ids} for ids in json.load(open(prompts_file))]
     batches = [[p] for p in prompts] if sequential else [prompts]

@@ -26,9 +26,22 @@ from popcompile.calibrate import load_fit
 from popcompile.corpus import stdlib_texts
 from popcompile.exporters.vllm import stock_view
 from popcompile.reference import Variant, generate
+from popcompile.vllm_plugin.settings import POP_ARCHITECTURES
 
 HERE = Path(__file__).resolve().parent
 CUT, LAYERS, NEW = 20, 30, 16
+# every architecture the plugin serves -> the test that serves it
+COVERED = {"LlamaForCausalLM": "test_pop_equals_the_reference_batched_and_in_chunks_of_512 (SmolLM2)",
+           "MistralForCausalLM": "test_tiny_architecture_equals_the_reference[mistral]",
+           "Qwen2ForCausalLM": "test_tiny_architecture_equals_the_reference[qwen2]",
+           "Qwen3ForCausalLM": "test_tiny_architecture_equals_the_reference[qwen3]",
+           "Gemma3ForCausalLM": "test_gemma3_equals_the_reference_across_its_sliding_window"}
+
+
+def test_every_served_architecture_has_a_test():
+    assert set(COVERED) == set(POP_ARCHITECTURES.values())
+    names = {name.split("[")[0].split(" ")[0] for name in COVERED.values()}
+    assert all(callable(globals().get(name)) for name in names), names
 
 
 def popcompile(*args: str) -> None:
@@ -194,3 +207,38 @@ def test_prompt_logprobs_are_refused_with_a_message(server, prompts):
     url, model = server
     status, body = _complete(url, model, prompts["300"], prompt_logprobs=1)
     assert status == 400 and "prompt" in json.dumps(body), body
+
+
+# --- the other Llama-like architectures, on tiny random models --------------------------------------
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_tiny_architecture_equals_the_reference(model_type, tmp_path):
+    """Each POP class on a tiny random model of its architecture (head_dim 32: the CPU backend's smallest)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from tiny_engine import tiny_hf_folder
+
+    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=4, head_dim=32, max_position_embeddings=512)
+    popcompile("export", str(hf), "--target", "vllm", "--out", str(tmp_path / "served"), "--cut", "2",
+               "--kv-calibration", "none")
+    generator = torch.Generator().manual_seed(0)
+    batch = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (5, 60, 300)]
+    served = greedy(tmp_path, tmp_path / "served", batch, max_num_batched_tokens=128, max_model_len=512)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    expected = [reference(model, ids, Variant(cut=2)) for ids in batch]
+    assert [r["tokens"] for r in served] == expected
+    assert expected != [reference(model, ids, Variant(cut=4)) for ids in batch]  # POP is not a no-op here
+
+
+def test_gemma3_equals_the_reference_across_its_sliding_window(tmp_path):
+    """Gemma 3 270M (18 layers, cut 12): local layers with a 512-token window, k_norm, scaled embeddings."""
+    folder = tmp_path / "gemma"
+    popcompile("export", "gemma3-270m", "--target", "vllm", "--out", str(folder), "--kv-calibration", "none")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = "".join(text for _, text in stdlib_texts()[:3])
+    batch = [tokenizer.encode("The capital of France is").ids, tokenizer.encode(text).ids[:300],
+             tokenizer.encode(text).ids[:1500]]
+    served = greedy(tmp_path, folder, batch, max_num_batched_tokens=512)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [reference(model, ids, Variant(cut=12)) for ids in batch]
+    assert [r["tokens"] for r in served] == expected
+    assert expected != [reference(model, ids, Variant(cut=18)) for ids in batch]

@@ -12,7 +12,7 @@ POP+ (``PopKV``): the deep layers' K/V projections of h_cut use fitted weights i
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -38,10 +38,11 @@ class PopKV(nn.Module):
     layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear layers
     repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced."""
 
-    def __init__(self, model: nn.Module, cut: int, bias: bool):
+    def __init__(self, model: nn.Module, cut: int, k_norm: Callable[[nn.Module], nn.Module | None]):
         super().__init__()
         self.cut = cut
-        self.layers = nn.ModuleList(_kv_pair(layer.self_attn, bias) for layer in model.layers[cut:])
+        self.layers = nn.ModuleList(_kv_pair(layer.self_attn) for layer in model.layers[cut:])
+        self.k_norms = [k_norm(layer.self_attn) for layer in model.layers[cut:]]  # the layers' own modules
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, set[str]]:
         """Copies ``model.layers.{l}.self_attn.{k|v}_proj.*`` of the deep layers, then lets
@@ -67,8 +68,8 @@ class PopKV(nn.Module):
         return f"layers.{layer - self.cut}.{parts[-2]}.{parts[-1]}" if layer >= self.cut else None
 
 
-def _kv_pair(self_attn: nn.Module, bias: bool) -> nn.Module:
-    hidden = self_attn.qkv_proj.input_size
+def _kv_pair(self_attn: nn.Module) -> nn.Module:
+    hidden, bias = self_attn.qkv_proj.input_size, self_attn.qkv_proj.bias is not None
     pair = nn.Module()
     pair.k_proj = nn.Linear(hidden, self_attn.kv_size, bias=bias)
     pair.v_proj = nn.Linear(hidden, self_attn.kv_size, bias=bias)
@@ -79,8 +80,12 @@ def kv_of(layer: nn.Module, index: int, h_cut: torch.Tensor, positions: torch.Te
           pop_kv: PopKV) -> tuple[torch.Tensor, torch.Tensor]:
     """POP's K/V of one deep layer for every token: k, v [T, H_kv * D] (RoPE'd k)."""
     x = layer.input_layernorm(h_cut)  # without a residual: out of place
-    pair = pop_kv.layers[index - pop_kv.cut]
-    k, _ = layer.self_attn.rotary_emb(positions, pair.k_proj(x))
+    pair, k_norm = pop_kv.layers[index - pop_kv.cut], pop_kv.k_norms[index - pop_kv.cut]
+    k = pair.k_proj(x)  # [T, H_kv * D]
+    if k_norm is not None:
+        head_dim = layer.self_attn.head_dim
+        k = k_norm(k.view(k.shape[0], -1, head_dim)).view(k.shape)
+    k, _ = layer.self_attn.rotary_emb(positions, k)
     return k, pair.v_proj(x)
 
 

@@ -9,7 +9,11 @@ from collections.abc import Iterable
 
 import torch
 import vllm
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from . import runner
 from .model import PopKV, pop_forward, use_survivor_backend
@@ -17,17 +21,19 @@ from .settings import KV_PREFIX, PopSettings, check_vllm_version
 
 
 class _PopMixin:
-    """POP over a stock ``*ForCausalLM`` whose ``self.model`` is a vLLM decoder stack."""
+    """POP over a stock ``*ForCausalLM`` whose ``self.model`` is a vLLM decoder stack (Llama-like layers:
+    ``input_layernorm``, ``self_attn.{qkv_proj, rotary_emb, attn}``). ``k_norm(self_attn)``: the per-head
+    norm applied to K before RoPE, or None (each class names its own)."""
 
-    def _init_pop(self, vllm_config) -> None:
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # the stock class: layers, weights, lm_head
         check_vllm_version(vllm.__version__)
         self.pop_settings = PopSettings.of(vllm_config.model_config.hf_config)
         self.pop_kv = None
         if self.pop_settings.prunes:
             runner.install()
             use_survivor_backend(self.model, self.pop_settings.cut)
-            bias = bool(getattr(self.config, "attention_bias", False))
-            self.pop_kv = PopKV(self.model, self.pop_settings.cut, bias)
+            self.pop_kv = PopKV(self.model, self.pop_settings.cut, self.k_norm)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +46,33 @@ class _PopMixin:
         return super().load_weights(stock) | loaded
 
 
+def _no_k_norm(self_attn) -> None:
+    return None
+
+
+def _qwen2_k_norm(self_attn):
+    return self_attn.k_norm if self_attn.qk_norm else None
+
+
+def _own_k_norm(self_attn):
+    return self_attn.k_norm
+
+
 class PopLlamaForCausalLM(_PopMixin, LlamaForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_pop(vllm_config)
+    k_norm = staticmethod(_no_k_norm)
+
+
+class PopMistralForCausalLM(_PopMixin, MistralForCausalLM):
+    k_norm = staticmethod(_no_k_norm)
+
+
+class PopQwen2ForCausalLM(_PopMixin, Qwen2ForCausalLM):
+    k_norm = staticmethod(_qwen2_k_norm)
+
+
+class PopQwen3ForCausalLM(_PopMixin, Qwen3ForCausalLM):
+    k_norm = staticmethod(_own_k_norm)
+
+
+class PopGemma3ForCausalLM(_PopMixin, Gemma3ForCausalLM):
+    k_norm = staticmethod(_own_k_norm)

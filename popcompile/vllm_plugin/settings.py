@@ -20,7 +20,9 @@ KV_WEIGHTS_FILE = "pop_kv.safetensors"
 KV_PREFIX = "pop_kv."  # tensor names in KV_WEIGHTS_FILE: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias}
 
 # POP class -> the stock vLLM/Hugging Face architecture it serves
-POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM"}
+POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM", "PopMistralForCausalLM": "MistralForCausalLM",
+                     "PopQwen2ForCausalLM": "Qwen2ForCausalLM", "PopQwen3ForCausalLM": "Qwen3ForCausalLM",
+                     "PopGemma3ForCausalLM": "Gemma3ForCausalLM"}
 BASE_TO_POP = {base: pop for pop, base in POP_ARCHITECTURES.items()}
 
 
