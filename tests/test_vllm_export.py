@@ -7,6 +7,7 @@ refused before the model loads.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,10 +20,10 @@ from tiny_engine import tiny_hf_folder
 from popcompile.calibrate import load_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import EngineManifest
-from popcompile.errors import EngineError, ModelError, UnsupportedModelError
+from popcompile.errors import EngineError, EnvironmentUnavailable, ModelError, UnsupportedModelError
 from popcompile.exporters.vllm import pop_architecture
 from popcompile.engine.vllm_folder import is_vllm_folder
-from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, PopSettings
+from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, VLLM_VERSION, PopSettings, check_vllm_version
 
 LAYERS = 4
 
@@ -107,3 +108,11 @@ def test_the_plugin_refuses_a_config_entry_it_cannot_serve(entry, culprit):
         PopSettings.of(HFConfig())
     assert PopSettings.of(type("C", (), {"num_hidden_layers": LAYERS,
                                          "popcompile": {"format": 1, "cut": LAYERS}})()).prunes is False
+
+
+def test_another_vllm_version_is_refused_by_name():
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert extra["optional-dependencies"]["vllm"] == [f"vllm=={VLLM_VERSION}"]  # the extra installs the one we serve
+    check_vllm_version(VLLM_VERSION)
+    with pytest.raises(EnvironmentUnavailable, match=f"vLLM 0.31.1 is installed; .* built for vLLM {VLLM_VERSION}"):
+        check_vllm_version("0.31.1")

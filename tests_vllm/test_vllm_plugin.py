@@ -143,6 +143,33 @@ def test_prefix_cache_reuses_the_pop_kv_of_a_shared_prefix(folders, prompts, hf_
     assert served[1]["tokens"] == reference(hf_model, second, Variant(cut=CUT))
 
 
+OFFLINE_PROMPT_LOGPROBS = """
+import sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], enforce_eager=True, dtype="float32", max_model_len=1024)
+    try:
+        llm.generate("The capital of France is", SamplingParams(max_tokens=4, prompt_logprobs=1), use_tqdm=False)
+        print("ACCEPTED")
+    except ValueError as err:
+        print("REFUSED", err)
+    again = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    print("AFTER", len(again[0].outputs[0].token_ids))
+"""
+
+
+def test_offline_prompt_logprobs_are_refused_and_the_engine_lives_on(folders, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(OFFLINE_PROMPT_LOGPROBS)
+    done = subprocess.run([sys.executable, str(script), str(folders["pop"])], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("ACCEPTED", "REFUSED", "AFTER"))]
+    assert len(lines) == 2 and lines[0].startswith("REFUSED prompt_logprobs: this model is served with POP"), \
+        done.stdout[-2000:] + done.stderr[-2000:]
+    assert lines[1] == "AFTER 4"
+
+
 # --- the OpenAI-compatible server -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

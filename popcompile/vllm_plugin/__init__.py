@@ -2,7 +2,8 @@
 
 ``register()`` names the POP model classes to vLLM's ``ModelRegistry`` as strings (nothing is imported
 until a POP folder is loaded, after vLLM has forked its workers) and adds the config hook that turns on
-the logits indices POP needs (``settings.PopConfigHook``). A folder from ``popcompile export MODEL
+the logits indices POP needs (``settings.PopConfigHook``), and refuses ``prompt_logprobs`` of POP models
+where requests enter (``requests.py``). A folder from ``popcompile export MODEL
 --target vllm`` names a POP class in ``architectures``; any other model is untouched.
 
     config.json  "architectures": ["PopLlamaForCausalLM"], "popcompile": {"cut": 20, ...}
@@ -22,8 +23,10 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
+    from . import requests
     from .settings import PopConfigHook
 
+    requests.install()
     for pop_name in POP_ARCHITECTURES:
         if pop_name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(pop_name, f"popcompile.vllm_plugin.models:{pop_name}")
