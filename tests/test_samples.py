@@ -50,7 +50,9 @@ def engine(tiny_folder, tmp_path_factory) -> tuple[Path, subprocess.CompletedPro
 
 
 def test_every_sample_is_run_by_a_test():
-    run_here = set(re.findall(r'run_sample\("(\w+\.py)"', Path(__file__).read_text()))
+    """Here, or in tests_vllm/ for the samples that need vLLM (run in .venv-vllm)."""
+    sources = Path(__file__).read_text() + (ROOT / "tests_vllm" / "test_vllm_plugin.py").read_text()
+    run_here = set(re.findall(r'run_sample\("(\w+\.py)"', sources))
     assert sorted(p.name for p in SAMPLES.glob("*.py")) == sorted(run_here)
 
 
@@ -135,6 +137,6 @@ def test_readme_python_snippets_are_sample_regions():
     found = regions()
     readme = python_blocks(ROOT / "README.md")
     docs = [block for doc in sorted((ROOT / "docs").glob("*.md")) for block in python_blocks(doc)]
-    assert set(found) == {"export_and_run", "chat", "torch_compile", "tensorrt_deploy"}
+    assert set(found) == {"export_and_run", "chat", "torch_compile", "tensorrt_deploy", "vllm"}
     assert [block for block in readme + docs if block not in found.values()] == []  # no snippet of its own
     assert [name for name, body in found.items() if body not in readme] == []  # every region in the README

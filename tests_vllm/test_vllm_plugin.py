@@ -269,3 +269,27 @@ def test_gemma3_equals_the_reference_across_its_sliding_window(tmp_path):
     expected = [reference(model, ids, Variant(cut=12)) for ids in batch]
     assert [r["tokens"] for r in served] == expected
     assert expected != [reference(model, ids, Variant(cut=18)) for ids in batch]
+
+
+def run_sample(name: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HERE.parent / "samples" / name), *map(str, args)],
+                          capture_output=True, text=True, timeout=900, cwd=HERE.parent,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def test_vllm_sample_exports_and_generates_the_reference_text(tmp_path):
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from tiny_engine import tiny_hf_folder
+
+    hf = tiny_hf_folder(tmp_path / "hf", layers=6, head_dim=32, initializer_range=0.1, max_position_embeddings=512,
+                        eos=False)
+    prompt = " ".join(f"t{i}" for i in range(1, 40))
+    done = run_sample("vllm_serve.py", "--model", hf, "--out", tmp_path / "served", "--kv-calibration", "none",
+                      "--prompt", prompt, "--max-new-tokens", "6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = tokenizer.decode(generate(model, ids, 6, Variant(cut=4)))
+    squeeze = lambda text: "".join(text.split())  # vLLM's incremental detokenizer may space words differently
+    assert squeeze(done.stdout.splitlines()[-1]) == squeeze(prompt + expected)

@@ -106,10 +106,9 @@ def pop_forward(model: nn.Module, settings: PopSettings, pop_kv: PopKV, input_id
     for offset, layer in enumerate(deep):
         k, v = kv_of(layer, settings.cut + offset, h_cut, positions, pop_kv)
         write_kv(layer.self_attn.attn.layer_name, k, v)
-    out = h_cut.clone()  # rows of tokens that stop at the cut: never read (no logits there)
-    if index.numel():
-        out[index] = _run_survivors(model, deep, hidden[index], residual[index], positions[index], index)
-    return out
+    if index.numel():  # the other rows keep h_cut: tokens that stop at the cut have no logits read
+        h_cut[index] = _run_survivors(model, deep, hidden[index], residual[index], positions[index], index)
+    return h_cut
 
 
 def _run_survivors(model, deep, hidden, residual, positions, index) -> torch.Tensor:
