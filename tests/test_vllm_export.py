@@ -7,6 +7,7 @@ refused before the model loads.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,6 +50,10 @@ def test_folder_names_the_pop_class_and_keeps_the_weights(hf, tmp_path, capsys):
     assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
     assert (tmp_path / "served" / "tokenizer.json").is_file() and not (tmp_path / "served" / KV_WEIGHTS_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no staging folder, no lock left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "served").iterdir()} == {
+        p.name: 0o666 & ~umask for p in (tmp_path / "served").iterdir()}  # readable by a server of another user
 
 
 def test_pop_plus_weights_are_written_under_the_names_the_plugin_loads(hf, tmp_path):

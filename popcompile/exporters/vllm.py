@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,9 +79,20 @@ def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None) ->
     data["architectures"] = [architecture]
     data[CONFIG_KEY] = {**settings.to_json(), "popcompile_version": importlib.metadata.version("popcompile")}
     atomic_write(tmp / "config.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    _readable_as_umask_allows(tmp)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     return ServingFolder(model=loaded.source.name, architecture=architecture, num_layers=settings.num_layers,
                          cut=cut, kv_weights=settings.kv_weights, dtype=dtype)
+
+
+def _readable_as_umask_allows(folder: Path) -> None:
+    """save_pretrained leaves model.safetensors 0600 (written through a private temporary file): the server
+    that loads the folder may run as another user. Every file gets the mode a plain ``open`` would give."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for item in folder.iterdir():
+        if item.is_file():
+            item.chmod(0o666 & ~umask)
 
 
 def kv_tensors(fit: KVFit, dtype: torch.dtype) -> dict[str, torch.Tensor]:
