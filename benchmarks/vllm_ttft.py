@@ -12,6 +12,7 @@ blocks alternate vanilla / pop / pop / vanilla ... over ``--rounds``, and the ta
               requests/s (same seed for both): mean / p90 TTFT and output tokens/s over the whole run
 
     .venv-vllm/bin/python benchmarks/vllm_ttft.py --tokens 512 1024 2048 --reps 5 --rounds 2 --load 16
+    .venv-vllm/bin/python benchmarks/vllm_ttft.py --in-process --load 0      # single requests, one process
 """
 from __future__ import annotations
 
@@ -122,7 +123,10 @@ def run_block(args, folder: Path, kind: str) -> dict:
     command = [sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--result", str(result), "--tokens",
                *map(str, args.tokens), "--reps", str(args.reps), "--load", str(args.load), "--load-tokens",
                str(args.load_tokens), "--rate", str(args.rate)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if args.in_process:  # engine core and worker in the measuring process: no polling processes beside it
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
     return json.loads(result.read_text())
@@ -165,6 +169,9 @@ def main() -> None:
     parser.add_argument("--load-tokens", type=int, default=2048)
     parser.add_argument("--rate", type=float, default=0.5, help="load test arrivals per second")
     parser.add_argument("--json", type=Path, help="also write the raw measurements here")
+    parser.add_argument("--in-process", action="store_true",
+                        help="VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine in the measuring process (on 2 cores "
+                             "its default front-end/engine/worker processes take CPU from the model)")
     parser.add_argument("--worker", choices=["vanilla", "pop"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -185,8 +192,10 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: {kind} done", file=sys.stderr)
     config = transformers.AutoConfig.from_pretrained(paths["vanilla"])
     cut = json.loads((paths["pop"] / "config.json").read_text())["popcompile"]["cut"]
+    where = ", in-process engine" if args.in_process else ""
     print(f"vLLM {__import__('vllm').__version__} CPU, {args.model}, cut {cut} of {config.num_hidden_layers}, "
-          f"{os.cpu_count()} cores\n" + table(args, results, cut, config) + (load_table(args, results) if args.load else ""))
+          f"{os.cpu_count()} cores{where}\n" + table(args, results, cut, config)
+          + (load_table(args, results) if args.load else ""))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
