@@ -8,22 +8,19 @@ folders only. Installed by ``register()``, once per process.
 """
 from __future__ import annotations
 
-import functools
-
+from .patching import wrap_once
 from .settings import POP_ARCHITECTURES
-
-_MARK = "__popcompile_prompt_logprobs__"
 
 
 def install() -> None:
-    from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor._validate_params
-    if getattr(original, _MARK, False):
-        return
+    wrap_once(InputProcessor, "_validate_params", _refusing_prompt_logprobs)
 
-    @functools.wraps(original)
+
+def _refusing_prompt_logprobs(original):
+    from vllm.exceptions import VLLMValidationError
+
     def validate(self, params, supported_tasks):
         pop = self.vllm_config.model_config.architecture in POP_ARCHITECTURES
         if pop and getattr(params, "prompt_logprobs", None):
@@ -33,5 +30,4 @@ def install() -> None:
                 "POP", parameter="prompt_logprobs")
         return original(self, params, supported_tasks)
 
-    setattr(validate, _MARK, True)
-    InputProcessor._validate_params = validate
+    return validate

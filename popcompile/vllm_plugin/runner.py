@@ -14,21 +14,18 @@ runs the patched method. attention.survivor_index reads the list back.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-_MARK = "__popcompile_survivors__"
+from .patching import wrap_once
 
 
 def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner subclasses it
 
-    original = GPUModelRunner._prepare_kv_sharing_fast_prefill
-    if getattr(original, _MARK, False):
-        return
+    wrap_once(GPUModelRunner, "_prepare_kv_sharing_fast_prefill", _keeping_prompt_ends)
 
-    @functools.wraps(original)
+
+def _keeping_prompt_ends(original):
     def prepare_survivors(self, logits_indices: torch.Tensor) -> torch.Tensor:
         padded = original(self, logits_indices)  # [n_padded], one index per request (PopConfigHook: no drafts)
         ends = ~self.discard_request_mask.gpu[:logits_indices.shape[0]].bool()
@@ -39,5 +36,4 @@ def install() -> None:
             padded[keep.shape[0]:] = keep[-1]
         return padded
 
-    setattr(prepare_survivors, _MARK, True)
-    GPUModelRunner._prepare_kv_sharing_fast_prefill = prepare_survivors
+    return prepare_survivors
