@@ -54,6 +54,8 @@ def survivor_index(common_attn_metadata) -> torch.Tensor | None:
     padded, count = common_attn_metadata.logits_indices_padded, common_attn_metadata.num_logits_indices
     if padded is None or count is None:  # not armed: profiling, warm-up
         return None
+    if common_attn_metadata.max_query_len == 1:  # decode only: every token survives, no work per step
+        return None
     index = torch.unique_consecutive(padded[:count])
     index = index[index >= 0]
     return None if index.numel() == common_attn_metadata.num_actual_tokens else index
