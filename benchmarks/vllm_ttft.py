@@ -61,7 +61,7 @@ def prompts(folder: Path, lengths: list[int], count: int = 1) -> dict[int, list[
 def measure_single(folder: Path, lengths: list[int], reps: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(folder), **ENGINE)
+    llm = LLM(model=str(folder), **engine_args())
     first, decode = SamplingParams(temperature=0, max_tokens=1), SamplingParams(temperature=0, max_tokens=64,
                                                                                 ignore_eos=True)
     by_length = prompts(folder, lengths)
@@ -83,6 +83,10 @@ def _timed(call) -> float:
     return time.perf_counter() - start
 
 
+def engine_args() -> dict:
+    return {**ENGINE, "enforce_eager": os.environ.get("POP_BENCH_COMPILE") != "1"}
+
+
 def measure_load(folder: Path, requests: int, tokens: int, rate: float) -> dict:
     return asyncio.run(_load(folder, requests, tokens, rate))
 
@@ -92,7 +96,7 @@ async def _load(folder: Path, requests: int, tokens: int, rate: float) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **ENGINE))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **engine_args()))
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     batch = prompts(folder, [tokens], requests + 1)[tokens]
     async for _ in engine.generate({"prompt_token_ids": batch[-1]}, params, "warm-up"):
@@ -126,6 +130,8 @@ def run_block(args, folder: Path, kind: str) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.in_process:  # engine core and worker in the measuring process: no polling processes beside it
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.compile:  # read by engine_args() in the block's process
+        env["POP_BENCH_COMPILE"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
@@ -172,6 +178,9 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine in the measuring process (on 2 cores "
                              "its default front-end/engine/worker processes take CPU from the model)")
+    parser.add_argument("--compile", action="store_true",
+                        help="vLLM's default torch.compile mode instead of enforce_eager (what `vllm serve` does "
+                             "without --enforce-eager)")
     parser.add_argument("--worker", choices=["vanilla", "pop"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -192,7 +201,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: {kind} done", file=sys.stderr)
     config = transformers.AutoConfig.from_pretrained(paths["vanilla"])
     cut = json.loads((paths["pop"] / "config.json").read_text())["popcompile"]["cut"]
-    where = ", in-process engine" if args.in_process else ""
+    where = (", in-process engine" if args.in_process else "") + (", torch.compile" if args.compile else ", eager")
     print(f"vLLM {__import__('vllm').__version__} CPU, {args.model}, cut {cut} of {config.num_hidden_layers}, "
           f"{os.cpu_count()} cores{where}\n" + table(args, results, cut, config)
           + (load_table(args, results) if args.load else ""))

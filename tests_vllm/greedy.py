@@ -5,7 +5,7 @@
 PROMPTS.json is a list of token-id lists, run in order, each a separate ``generate`` call when
 ENGINE_ARGS has "sequential": true (so prefix caching can reuse an earlier prompt), else one batch.
 OUT.json: [{"tokens": [...], "cached": num_cached_tokens, "logprobs": [of each sampled token]}, ...].
-float32, enforce_eager, 1 GiB KV cache.
+float32, enforce_eager unless ENGINE_ARGS says otherwise, 1 GiB KV cache.
 """
 from __future__ import annotations
 

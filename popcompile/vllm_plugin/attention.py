@@ -71,6 +71,11 @@ def survivors(layer_name: str) -> torch.Tensor | None:
     return getattr(metadata, "pop_survivors", None)
 
 
+def warming_up() -> bool:
+    """True in vLLM's profiling and warm-up runs (no attention metadata): every unit runs once, to compile."""
+    return get_forward_context().attn_metadata is None
+
+
 @contextlib.contextmanager
 def survivor_slots(layer_names: list[str], index: torch.Tensor) -> Iterator[None]:
     """The deep layers' cache writes go to the survivors' slots while the survivors run (restored after)."""

@@ -7,18 +7,27 @@ One step, T tokens (prompt chunks and decode tokens of several requests), S surv
     layers cut..L-1      stock, on the S survivors; their own K/V overwrite their slots
     returns              [T, hidden]: the survivors' final hidden states in their rows (logits are read there)
 
-A step in which every token survives (decode only, or vLLM's warm-up) runs the stock stack unchanged.
+A step in which every token survives (decode only, or vLLM's warm-up) runs the stock layers unchanged.
 POP+ (``PopKV``): the deep layers' K/V projections of h_cut use fitted weights instead of W_K, W_V.
+
+Under vLLM's torch.compile (its default; not with ``enforce_eager``) three units are compiled, each traced
+once with a dynamic token count: ``PopShallow`` (layers 0..cut-1), ``PopKV`` (POP's K/V of h_cut) and
+``PopDeep`` (layers cut..L-1 and the norm, on all tokens or on the survivors). The stock model's own
+compiled forward is not used by a pruning model: its one graph cannot stop at the cut. Selecting the
+survivors and writing POP's K/V into the paged cache stay eager (they read the step's forward context).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from .attention import survivor_backend, survivor_slots, survivors, write_kv
-from .settings import KV_PREFIX, PopSettings
+from vllm.compilation.decorators import support_torch_compile
+
+from .attention import survivor_backend, survivor_slots, survivors, warming_up, write_kv
+from .settings import KV_PREFIX
 
 
 def deep_attention(model: nn.Module, cut: int) -> list[nn.Module]:
@@ -32,23 +41,74 @@ def use_survivor_backend(model: nn.Module, cut: int) -> None:
         attn.attn_backend = survivor_backend(attn.attn_backend)
 
 
-class PopKV(nn.Module):
-    """The deep layers' K/V projections of h_cut: copies of the model's own ``k_proj``/``v_proj`` (POP),
-    replaced by the fitted ones of settings.KV_WEIGHTS_FILE where it has them (POP+: layers cut+1..L-1;
-    layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear layers
-    repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced."""
+class _Stack(nn.Module):
+    """Decoder layers ``first..last-1`` of the stock stack, compiled as one unit under vLLM's torch.compile
+    (``support_torch_compile``; plain modules under ``enforce_eager``). The layers are the stock modules,
+    registered here a second time (named_parameters keeps the stock names, as for Gemma 3n's decoders)."""
 
-    def __init__(self, model: nn.Module, cut: int, k_norm: Callable[[nn.Module], nn.Module | None]):
+    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, first: int, last: int):
+        super().__init__()
+        self.layers = model.layers[first:last]
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden": 0})  # [T], [T, hidden]
+class PopShallow(_Stack):
+    """Layers 0..cut-1 on every token: hidden [T, hidden] -> (hidden, residual), each [T, hidden]."""
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden, residual
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden": 0, "residual": 0})  # S tokens
+class PopDeep(_Stack):
+    """Layers cut..L-1 and the final norm on the tokens given (all of a decode step, or the survivors):
+    (hidden, residual) [S, hidden] -> the final hidden states [S, hidden]."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, first: int, last: int):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, model=model, first=first, last=last)
+        self.norm = model.norm
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden, residual)[0]
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "h_cut": 0})  # T tokens
+class PopKV(nn.Module):
+    """The deep layers' K/V of h_cut for every token (compiled as one unit): [T, hidden] -> k, v
+    [L - cut, T, H_kv * D], k RoPE'd. The projections are copies of the model's own ``k_proj``/``v_proj``
+    (POP), replaced by the fitted ones of settings.KV_WEIGHTS_FILE where it has them (POP+: layers
+    cut+1..L-1; layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear
+    layers repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, cut: int,
+                 k_norm: Callable[[nn.Module], nn.Module | None]):
         super().__init__()
         self.cut = cut
         self.layers = nn.ModuleList(_kv_pair(layer.self_attn) for layer in model.layers[cut:])
-        self.k_norms = [k_norm(layer.self_attn) for layer in model.layers[cut:]]  # the layers' own modules
+        self.deep = model.layers[cut:]  # the stock layers: input_layernorm, rotary_emb, k_norm
+        self.k_norms = [k_norm(layer.self_attn) for layer in self.deep]
+
+    def forward(self, positions: torch.Tensor, h_cut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = [], []
+        for layer, pair, k_norm in zip(self.deep, self.layers, self.k_norms):
+            x = layer.input_layernorm(h_cut)  # without a residual: out of place
+            k = pair.k_proj(x)  # [T, H_kv * D]
+            if k_norm is not None:
+                k = k_norm(k.view(k.shape[0], -1, layer.self_attn.head_dim)).view(k.shape)
+            keys.append(layer.self_attn.rotary_emb(positions, k)[0])
+            values.append(pair.v_proj(x))
+        return torch.stack(keys), torch.stack(values)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, set[str]]:
         """Copies ``model.layers.{l}.self_attn.{k|v}_proj.*`` of the deep layers, then lets
         ``pop_kv.layers.{l}.{k|v}_proj.*`` (POP+) override them, in whatever order the files come;
         returns the weights for the stock loader and the names loaded here."""
-        params, stock, fitted = dict(self.named_parameters()), [], set()
+        params, stock, fitted = dict(self.layers.named_parameters(prefix="layers")), [], set()
         for name, tensor in weights:
             fit = name.startswith(KV_PREFIX)
             local = self._local_name(name)
@@ -76,43 +136,32 @@ def _kv_pair(self_attn: nn.Module) -> nn.Module:
     return pair
 
 
-def kv_of(layer: nn.Module, index: int, h_cut: torch.Tensor, positions: torch.Tensor,
-          pop_kv: PopKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """POP's K/V of one deep layer for every token: k, v [T, H_kv * D] (RoPE'd k)."""
-    x = layer.input_layernorm(h_cut)  # without a residual: out of place
-    pair, k_norm = pop_kv.layers[index - pop_kv.cut], pop_kv.k_norms[index - pop_kv.cut]
-    k = pair.k_proj(x)  # [T, H_kv * D]
-    if k_norm is not None:
-        head_dim = layer.self_attn.head_dim
-        k = k_norm(k.view(k.shape[0], -1, head_dim)).view(k.shape)
-    k, _ = layer.self_attn.rotary_emb(positions, k)
-    return k, pair.v_proj(x)
+@dataclasses.dataclass(frozen=True)
+class PopStack:
+    """The compiled units of one POP model (module docstring); built once by the POP model class."""
+    model: nn.Module  # the stock stack: embed_input_ids, layers
+    shallow: PopShallow
+    kv: PopKV
+    deep: PopDeep
+    cut: int
 
 
-def pop_forward(model: nn.Module, settings: PopSettings, pop_kv: PopKV, input_ids: torch.Tensor | None,
-                positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+def pop_forward(stack: PopStack, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
     """The stack's final hidden states [T, hidden] under POP (module docstring)."""
-    hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
-    residual = None
-    for layer in model.layers[:settings.cut]:
-        hidden, residual = layer(positions, hidden, residual)
-    deep = list(model.layers[settings.cut:])
-    index = survivors(deep[0].self_attn.attn.layer_name) if deep else None
+    hidden = inputs_embeds if inputs_embeds is not None else stack.model.embed_input_ids(input_ids)
+    hidden, residual = stack.shallow(positions, hidden)
+    names = [layer.self_attn.attn.layer_name for layer in stack.deep.layers]
+    index = survivors(names[0])
     if index is None:
-        for layer in deep:
-            hidden, residual = layer(positions, hidden, residual)
-        return model.norm(hidden, residual)[0]
+        if warming_up():  # vLLM's warm-up: compile the K/V unit too (it writes nothing without a cache)
+            stack.kv(positions, hidden + residual)
+        return stack.deep(positions, hidden, residual)
     h_cut = hidden + residual  # [T, hidden]: the residual stream after layer cut-1
-    for offset, layer in enumerate(deep):
-        k, v = kv_of(layer, settings.cut + offset, h_cut, positions, pop_kv)
-        write_kv(layer.self_attn.attn.layer_name, k, v)
+    keys, values = stack.kv(positions, h_cut)  # [L - cut, T, H_kv * D]
+    for name, k, v in zip(names, keys, values):
+        write_kv(name, k, v)
     if index.numel():  # the other rows keep h_cut: tokens that stop at the cut have no logits read
-        h_cut[index] = _run_survivors(model, deep, hidden[index], residual[index], positions[index], index)
+        with survivor_slots(names, index):
+            h_cut[index] = stack.deep(positions[index], hidden[index], residual[index])
     return h_cut
-
-
-def _run_survivors(model, deep, hidden, residual, positions, index) -> torch.Tensor:
-    with survivor_slots([layer.self_attn.attn.layer_name for layer in deep], index):
-        for layer in deep:
-            hidden, residual = layer(positions, hidden, residual)
-    return model.norm(hidden, residual)[0]

@@ -16,7 +16,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from . import runner
-from .model import PopKV, pop_forward, use_survivor_backend
+from .model import PopDeep, PopKV, PopShallow, PopStack, pop_forward, use_survivor_backend
 from .settings import KV_PREFIX, PopSettings, check_vllm_version
 
 
@@ -29,21 +29,39 @@ class _PopMixin:
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # the stock class: layers, weights, lm_head
         check_vllm_version(vllm.__version__)
         self.pop_settings = PopSettings.of(vllm_config.model_config.hf_config)
-        self.pop_kv = None
+        self.pop_kv = self.pop_stack = None
         if self.pop_settings.prunes:
             runner.install()
             use_survivor_backend(self.model, self.pop_settings.cut)
-            self.pop_kv = PopKV(self.model, self.pop_settings.cut, self.k_norm)
+            self.pop_stack = _units(self.model, vllm_config, prefix, self.pop_settings, self.k_norm)
+            # registered children (the stock layers they hold keep their stock parameter names)
+            self.pop_shallow, self.pop_kv, self.pop_deep = self.pop_stack.shallow, self.pop_stack.kv, self.pop_stack.deep
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return pop_forward(self.model, self.pop_settings, self.pop_kv, input_ids, positions, inputs_embeds)
+        if self.pop_stack is None:  # cut = L: the stock model, compiled as vLLM compiles it
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        return pop_forward(self.pop_stack, input_ids, positions, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.pop_kv is None:
             return super().load_weights(w for w in weights if not w[0].startswith(KV_PREFIX))
         stock, loaded = self.pop_kv.load_weights(weights)
         return super().load_weights(stock) | loaded
+
+
+def _units(model, vllm_config, prefix: str, settings: PopSettings, k_norm) -> PopStack:
+    """POP's three compiled units over the stock stack ``model``, each under its own compile tag."""
+    from vllm.compilation.backends import set_model_tag  # vLLM's own models import it late too
+
+    cut, layers = settings.cut, settings.num_layers
+    with set_model_tag("pop_shallow"):
+        shallow = PopShallow(vllm_config=vllm_config, prefix=f"{prefix}pop_shallow", model=model, first=0, last=cut)
+    with set_model_tag("pop_kv"):
+        kv = PopKV(vllm_config=vllm_config, prefix=f"{prefix}pop_kv", model=model, cut=cut, k_norm=k_norm)
+    with set_model_tag("pop_deep"):
+        deep = PopDeep(vllm_config=vllm_config, prefix=f"{prefix}pop_deep", model=model, first=cut, last=layers)
+    return PopStack(model=model, shallow=shallow, kv=kv, deep=deep, cut=cut)
 
 
 def _no_k_norm(self_attn) -> None:
