@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .arch import ARCHITECTURES
 from .errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
+from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -42,6 +43,8 @@ _GGUF_MAGIC = b"GGUF"
 # A hub id is "name" or "owner/name"; anything else that does not exist is a bad path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SOURCE_RECORD = "popcompile_source.json"
+#: 2: tokenizer.json follows the GGUF's add_bos/add_eos flags (gguf_tokenizer.py), whichever transformers converted
+_CONVERSION = 2
 #: what from_pretrained reads as weights in a folder (sharded files come with an index)
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 #: what readers of a damaged config, weights or GGUF file raise (safetensors' own error is added at first use)
@@ -304,13 +307,14 @@ def _ensure_converted(gguf: Path, sha256: str | None, cache: Path) -> Path:
     assert sha256 is not None, "GGUF sources always carry a sha256"
     final = cache / f"{gguf.stem}-{sha256[:12]}"
     if (final / _SOURCE_RECORD).is_file():  # written last, so the folder is complete
+        _upgrade_conversion(final, gguf)
         return final
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=cache))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared and read
     try:
         _convert_gguf(gguf, tmp)
-        _write_json_atomic(tmp / _SOURCE_RECORD, {"gguf": str(gguf), "sha256": sha256})
+        _write_json_atomic(tmp / _SOURCE_RECORD, {"gguf": str(gguf), "sha256": sha256, "conversion": _CONVERSION})
         os.rename(tmp, final)
     except OSError:
         if not (final / _SOURCE_RECORD).is_file():
@@ -319,6 +323,19 @@ def _ensure_converted(gguf: Path, sha256: str | None, cache: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _upgrade_conversion(folder: Path, gguf: Path) -> None:
+    """Bring a folder converted by an older popcompile to _CONVERSION in place (no re-conversion)."""
+    record = folder / _SOURCE_RECORD
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return  # unreadable: leave it; a load error will name the folder
+    if saved.get("conversion", 1) >= _CONVERSION:
+        return
+    apply_special_tokens(folder / "tokenizer.json", gguf_special_tokens(gguf))
+    _write_json_atomic(record, {**saved, "conversion": _CONVERSION})
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -338,6 +355,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     _drop_gguf_quantization(model)
     model.save_pretrained(out)  # also writes generation_config.json for generative models
     tokenizer.save_pretrained(out)  # writes chat_template.jinja when the GGUF has one
+    apply_special_tokens(out / "tokenizer.json", gguf_special_tokens(gguf))  # whichever transformers ran
     logger.warning("popcompile: cached %s in %s", gguf.name, out.parent)
 
 
