@@ -123,6 +123,39 @@ def test_batch_of_different_lengths_equals_single_prompts(smol_engine):
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
 
 
+def test_stream_yields_each_rows_text_as_it_decodes(smol_engine):
+    """session.stream: pieces tagged with their prompt's row concatenate to generate's texts; nothing runs
+    before the first piece is asked for; on_text gets every row's pieces, not only the first's."""
+    session = PopSession(smol_engine)
+    prompts = ["Write a haiku about rivers in Japanese (日本語):", "The quick brown fox"]
+    sampling = SamplingConfig(max_new_tokens=24)
+    expected = [r.text for r in session.generate(prompts, sampling, chat=False)]
+    stream = session.stream(prompts, sampling, chat=False)
+    assert session.cache_length == 0  # a generator: not started yet
+    pieces = list(stream)
+    assert len(pieces) > 2 and {p.row for p in pieces} == {0, 1}
+    assert ["".join(p for p in pieces if p.row == row) for row in (0, 1)] == expected
+    seen = []
+    session.generate(prompts, sampling, chat=False, on_text=seen.append)
+    assert [(p.row, str(p)) for p in seen] == [(p.row, str(p)) for p in pieces]
+
+
+def test_streamed_text_stops_before_a_stop_string_and_decodes_incrementally(smol_engine, monkeypatch):
+    """Stop strings never reach the stream; each token is detokenised once (DecodeStream), not the whole
+    output again per token: the full decode runs only once per row, at the end."""
+    session = PopSession(smol_engine)
+    free = session.generate("def add(a, b):", SamplingConfig(max_new_tokens=24), chat=False)[0].text
+    stop = free.strip().split()[2]  # a word the free run reaches
+    calls = []
+    decode = type(session.tokenizer).decode
+    monkeypatch.setattr(type(session.tokenizer), "decode", lambda self, ids, **kw: calls.append(1) or decode(
+        self, ids, **kw))
+    pieces = list(session.stream("def add(a, b):", SamplingConfig(max_new_tokens=24, stop=(stop,)), chat=False))
+    text = "".join(pieces)
+    assert stop not in text and text == free[:free.find(stop)]
+    assert len(calls) == 1
+
+
 def test_kv_buffer_allocated_once_and_signatures_equal(smol_engine):
     session = PopSession(smol_engine)
     for prompt in ("one", "a longer second prompt", "third"):

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from popcompile.runtime.generate import SamplingConfig, Sampler, StopChecker, softmax
+from popcompile.runtime.generate import SamplingConfig, Sampler, StopChecker, StopStrings, softmax
 
 # Frequencies of DRAWS samples from a 6-token distribution: each frequency's standard error
 # is at most sqrt(0.25 / 20000) = 0.0035, so 0.02 is > 5 sigma (flaky < 1e-6 per token).
@@ -126,26 +128,44 @@ def test_config_stop_becomes_tuple():
 
 def test_stop_checker_eos_and_stop_strings():
     checker = StopChecker(eos_token_ids=[2, 7], stop=("###", "\nUser:"), batch_size=3)
-    assert not checker.update(0, 5, "Hello")
-    assert checker.update(0, 7, "Hello")  # eos id
-    assert not checker.update(1, 5, "a #")
-    assert not checker.update(1, 5, "a ##")
-    assert checker.update(1, 5, "a ### b")  # stop string
-    assert not checker.update(2, 5, "fine")
+    assert not checker.update(0, 5)
+    assert checker.update(0, 7)  # eos id
+    assert not checker.update(1, 5, stopped=False)
+    assert checker.update(1, 5, stopped=True)  # its text reached a stop string
+    assert not checker.update(2, 5)
     assert checker.finished == [True, True, False]
     assert checker.finish_reasons == ["eos", "stop", None]
     assert not checker.all_finished
-    assert checker.update(0, 5, "later text")  # stays finished
-    assert checker.update(2, 2, "fine")
+    assert checker.update(0, 5)  # stays finished
+    assert checker.update(2, 2)
     assert checker.all_finished
 
 
-def test_stop_checker_trim_and_printable():
+def test_stop_checker_trim():
     checker = StopChecker([0], stop=("###", "\nUser:"))
     assert checker.trim("answer\nUser: next ### x") == "answer"
     assert checker.trim("a ### b\nUser:") == "a "
     assert checker.trim("no stop here") == "no stop here"
-    assert checker.printable("partial #") == "partial "  # '#' may begin '###'
-    assert checker.printable("line\nUs") == "line"
-    assert checker.printable("done ###tail") == "done "
-    assert StopChecker([0]).printable("anything") == "anything"
+
+
+def test_stop_strings_hold_back_what_may_begin_a_stop_string():
+    stops = StopStrings(("###", "\nUser:"))
+    assert stops.feed("partial #") == "partial "  # '#' may begin '###'
+    assert stops.feed("x") == "#x"  # it did not
+    assert stops.feed("line\nUs") == "line"
+    assert stops.feed("er: more") == "" and stops.hit
+    assert stops.feed("after") == ""
+    assert StopStrings().feed("anything") == "anything"
+
+
+@given(st.lists(st.sampled_from(["a", "#", "##", "b#", "\n", "User", ":", " "]), max_size=30))
+def test_stop_strings_show_exactly_the_trimmed_text(pieces):
+    """Whatever the split into pieces, what is shown (plus the held tail at the end) is the text cut
+    before its first stop string, and a hit is reported exactly when the text holds one."""
+    stop = ("###", "\nUser:")
+    stops = StopStrings(stop)
+    shown = "".join(stops.feed(p) for p in pieces)
+    text = "".join(pieces)
+    checker = StopChecker([], stop)
+    assert stops.hit == (checker.trim(text) != text)
+    assert (shown + ("" if stops.hit else stops._pending)) == checker.trim(text)

@@ -1,7 +1,8 @@
 """Token sampling and stop conditions shared by the runtimes (numpy only).
 
 ``Sampler`` turns one decode step's logits ``[B, V]`` into next-token ids ``[B]``;
-``StopChecker`` tracks which batch rows have finished (eos token or stop string).
+``StopChecker`` tracks which batch rows have finished (eos token or stop string); ``StopStrings`` watches
+one row's streamed text for stop strings.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError, EngineError
 
-__all__ = ["SamplingConfig", "Sampler", "StopChecker", "sampling_config"]
+__all__ = ["SamplingConfig", "Sampler", "StopChecker", "StopStrings", "sampling_config"]
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,9 @@ def sample_from(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 class StopChecker:
     """Track which batch rows have finished generating.
 
-    A row finishes when it produces one of ``eos_token_ids`` or when its generated
-    text contains one of the ``stop`` strings.  ``finish_reasons[row]`` is then
-    ``"eos"`` or ``"stop"`` (None while the row is running).
+    A row finishes when it produces one of ``eos_token_ids`` or when its generated text reaches one of
+    the ``stop`` strings (its ``StopStrings`` says so).  ``finish_reasons[row]`` is then ``"eos"`` or
+    ``"stop"`` (None while the row is running).
     """
 
     def __init__(
@@ -202,36 +203,62 @@ class StopChecker:
         """Whether every row has finished."""
         return all(self.finished)
 
-    def update(self, row: int, token_id: int, text_so_far: str) -> bool:
-        """Record ``row``'s new token and its generated text so far; return whether it finished.
+    def update(self, row: int, token_id: int, stopped: bool = False) -> bool:
+        """Record ``row``'s new token and whether its text reached a stop string; return whether it finished.
 
         Rows that already finished stay finished with their first reason.
         """
         if self.finish_reasons[row] is None:
             if int(token_id) in self.eos_token_ids:
                 self.finish_reasons[row] = "eos"
-            elif self.find_stop(text_so_far) >= 0:
+            elif stopped:
                 self.finish_reasons[row] = "stop"
         return self.finish_reasons[row] is not None
 
-    def find_stop(self, text: str) -> int:
-        """Index of the earliest stop string in ``text``, or -1."""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(hits, default=-1)
-
     def trim(self, text: str) -> str:
         """``text`` cut just before its first stop string (unchanged if none occurs)."""
-        at = self.find_stop(text)
+        at = find_stop(text, self.stop)
         return text if at < 0 else text[:at]
 
-    def printable(self, text: str) -> str:
-        """The part of ``text`` safe to stream now.
 
-        That is ``trim(text)`` less any tail that could be the start of a stop string.
-        """
-        text = self.trim(text)
-        for cut in range(max((len(s) for s in self.stop), default=1) - 1, 0, -1):
-            tail = text[-cut:] if cut <= len(text) else None
-            if tail is not None and any(s.startswith(tail) for s in self.stop):
-                return text[:-cut]
-        return text
+def find_stop(text: str, stop: Sequence[str]) -> int:
+    """Index of the earliest of the ``stop`` strings in ``text``, or -1."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits, default=-1)
+
+
+class StopStrings:
+    """One row's watch for stop strings over text that arrives in pieces, in time linear in the text.
+
+    ``feed(piece)`` returns the text now safe to show: never a stop string, nor a tail that may begin one
+    (held back until the next pieces decide). Only that held-back tail is searched again, so a long
+    output costs no more per token than a short one.
+
+        stop "###":   feed("a #") -> "a "    feed("#") -> ""    feed("# b") -> ""   (hit: "a " was all)
+    """
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self.stop = tuple(stop)
+        self.hit = False
+        self._pending = ""  # not shown yet: shorter than the longest stop string, or empty
+
+    def feed(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        pending = self._pending + piece
+        at = find_stop(pending, self.stop)
+        if at >= 0:
+            self.hit, self._pending = True, ""
+            return pending[:at]
+        keep = len(pending) - _stop_prefix_length(pending, self.stop)
+        self._pending = pending[keep:]
+        return pending[:keep]
+
+
+def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins one of the ``stop`` strings (0: none)."""
+    longest = min(max((len(s) for s in stop), default=1) - 1, len(text))
+    for length in range(longest, 0, -1):
+        if any(s.startswith(text[-length:]) for s in stop):
+            return length
+    return 0

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import ConfigError, InputError
-from .generate import Sampler, SamplingConfig, StopChecker
+from .generate import Sampler, SamplingConfig, StopChecker, StopStrings
 from .kvbuffer import KVBuffer
 from .tokenizer import EngineTokenizer, StreamDecoder
 
@@ -178,7 +179,7 @@ class Generation:
         self.sampler = Sampler(sampling)
         self.min_prompt_tokens = min_prompt_tokens  # shorter prompts prefill in full: POP would gain ~nothing
         self.path = mode
-        self.streamed = 0  # characters of row 0 already given to on_text
+        self.results: list[GenerationResult] = []
 
     def step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Run one graph on ids [B, T]; store the new K/V rows; return logits [B, V] (decode only)."""
@@ -200,6 +201,16 @@ class Generation:
         return self.step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
 
     def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
+        """Generate for every prompt; ``on_text`` gets each new piece of text as it decodes."""
+        for piece in self.stream(prompts):
+            if self.on_text is not None:
+                self.on_text(piece)
+        return self.results
+
+    def stream(self, prompts: list[list[int]]) -> Iterator[TextPiece]:
+        """``run``'s work as a generator of the new text of each row (``TextPiece``) while it decodes;
+        ``results`` holds the GenerationResults once it is exhausted. The pieces of a row concatenate to
+        its result's text. Time the caller spends between pieces counts as decode time."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_pad(prompts, pad)
         self.path = prefill_path(self.mode, prompts, self.min_prompt_tokens)
@@ -207,47 +218,71 @@ class Generation:
         start = time.perf_counter()
         first = self.sampler(self.prefill(ids, mask))
         ttft = time.perf_counter() - start
-        generated, reasons, steps = self._decode(first, mask.sum(axis=1))
+        generated = [[] for _ in prompts]
+        streams = [_RowText(self.tokenizer, self.sampling.stop) for _ in prompts]
+        steps = yield from self._decode(first, mask.sum(axis=1), generated, streams)
         decode_s = time.perf_counter() - start - ttft
         texts = [self.stop.trim(self.tokenizer.decode(tokens)) for tokens in generated]
-        if self.on_text is not None:
-            self.on_text(texts[0][self.streamed:])
-        return [GenerationResult(
+        for row, (text, stream) in enumerate(zip(texts, streams)):
+            if len(text) > stream.shown:  # held back to the end: a tail that might have begun a stop string
+                yield TextPiece(text[stream.shown:], row)
+        reasons = [r or "length" for r in self.stop.finish_reasons]
+        self.results = [GenerationResult(
             text=text, prompt_token_ids=list(prompt), token_ids=tokens, finish_reason=reason, mode=self.mode,
             ttft_s=ttft, prefill_tokens_per_s=sum(map(len, prompts)) / ttft,
             decode_tokens_per_s=steps * len(prompts) / decode_s if steps else 0.0, prefill=self.path,
         ) for prompt, tokens, text, reason in zip(prompts, generated, texts, reasons)]
 
-    def _decode(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[list[list[int]], list[str], int]:
-        """From the first sampled tokens [B], run decode steps until every row stopped.
-
-        Returns each row's generated ids (up to and including its eos), finish reasons and the
-        number of decode steps run."""
+    def _decode(self, tokens: np.ndarray, lengths: np.ndarray, generated: list[list[int]],
+                streams: list[_RowText]) -> Iterator[TextPiece]:
+        """From the first sampled tokens [B], run decode steps until every row stopped, appending each row's
+        ids (up to and including its eos) to ``generated`` and yielding its new text; returns the number of
+        decode steps run."""
         batch = tokens.shape[0]
         self.stop = StopChecker(self.tokenizer.eos_token_ids, self.sampling.stop, batch)
-        streams = [StreamDecoder(self.tokenizer) for _ in range(batch)]
-        generated: list[list[int]] = [[] for _ in range(batch)]
         positions, steps = lengths.astype(np.int64), 0
         while True:
             for row in range(batch):
                 if not self.stop.finished[row]:
-                    generated[row].append(int(tokens[row]))
-                    streams[row].push(int(tokens[row]))
-                    self.stop.update(row, int(tokens[row]), streams[row].text)
-            self._stream(streams[0])
+                    token = int(tokens[row])
+                    generated[row].append(token)
+                    piece = streams[row].push(token)
+                    self.stop.update(row, token, streams[row].stopped)
+                    if piece:
+                        yield TextPiece(piece, row)
             full = self.buffer.length >= self.buffer.layout.max_seq
             if self.stop.all_finished or steps + 1 >= self.sampling.max_new_tokens or full:
-                return generated, [r or "length" for r in self.stop.finish_reasons], steps
+                return steps
             logits = self.step("decode", tokens[:, None].astype(np.int64), positions[:, None],
-                                np.ones((batch, 1), np.int64))
+                               np.ones((batch, 1), np.int64))
             positions, steps = positions + 1, steps + 1
             tokens = self.sampler(logits)
 
-    def _stream(self, stream: StreamDecoder) -> None:
-        """Hand row 0's new printable text to ``on_text`` (never text that may start a stop string)."""
-        if self.on_text is None:
-            return
-        text = self.stop.printable(stream.text).rstrip("\ufffd")
-        if len(text) > self.streamed:
-            self.on_text(text[self.streamed:])
-            self.streamed = len(text)
+
+class TextPiece(str):
+    """New text of one prompt of a batch, as it decodes: a ``str``, with ``row``, the prompt's index in the
+    batch (``on_text=lambda piece: print(piece, end="")`` works as for plain text)."""
+
+    row: int
+
+    def __new__(cls, text: str, row: int) -> TextPiece:
+        piece = super().__new__(cls, text)
+        piece.row = row
+        return piece
+
+
+class _RowText:
+    """One row's streamed text: token ids -> text pieces (linear: DecodeStream) -> what may be shown
+    (StopStrings). ``shown``: characters handed out so far."""
+
+    def __init__(self, tokenizer: EngineTokenizer, stop: tuple[str, ...]):
+        self.decoder, self.stops, self.shown = StreamDecoder(tokenizer), StopStrings(stop), 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.hit
+
+    def push(self, token: int) -> str:
+        piece = self.stops.feed(self.decoder.push(token))
+        self.shown += len(piece)
+        return piece

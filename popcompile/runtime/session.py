@@ -1,6 +1,7 @@
 """The session core every runtime shares: encode, prefill, step, generate.
 
     session.generate(prompts, sampling)     text or token ids in, GenerationResults out (loop.Generation)
+    session.stream(prompts, sampling)       the same, as an iterator of text pieces while it decodes
     session.prefill(ids [B, N], mode)       from an empty cache: logits [B, V] predicting token N+1
     session.step(ids [B, T])                decode graph after the cached rows: logits [B, V] of the last
 
@@ -15,6 +16,7 @@ or a graph runner) and the KV buffer for ``batch`` rows (InputError when the run
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from ..errors import InputError
 from .defaults import engine_sampling
 from .generate import SamplingConfig
-from .loop import Generation, GenerationResult, encode_prompt, prompt_ids, threshold
+from .loop import Generation, GenerationResult, TextPiece, encode_prompt, prompt_ids, threshold
 
 
 class Session:
@@ -53,14 +55,34 @@ class Session:
         ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
         tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
         ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
-        generation_config.json says, under the dict's values (runtime/defaults.py)."""
+        generation_config.json says, under the dict's values (runtime/defaults.py). ``on_text(piece)`` gets each
+        prompt's new text as it decodes (``piece.row``: which prompt; see ``stream``)."""
+        generation, ids = self._prepared(prompts, sampling, mode, chat, on_text, min_prompt_tokens)
+        return generation.run(ids)
+
+    def stream(
+        self, prompts: str | list[str] | list[list[int]], sampling: SamplingConfig | None = None, *,
+        mode: str = "pop", chat: bool | None = None, min_prompt_tokens: int | None = None,
+    ) -> Iterator[TextPiece]:
+        """``generate`` as an iterator of text pieces while it decodes::
+
+            for piece in session.stream("Tell me about compilers"):
+                print(piece, end="", flush=True)
+
+        Each piece is a ``str`` with ``.row``, the index of its prompt in the batch; a row's pieces
+        concatenate to the text ``generate`` returns. Nothing runs until the first piece is asked for."""
+        generation, ids = self._prepared(prompts, sampling, mode, chat, None, min_prompt_tokens)
+        return generation.stream(ids)
+
+    def _prepared(self, prompts, sampling, mode, chat, on_text, min_prompt_tokens) -> tuple[Generation, list]:
+        """The checked prompt ids and the Generation that runs them (generate, stream)."""
         sampling = engine_sampling(self.tokenizer.generation_config, sampling,
                                    str(self.folder / "generation_config.json"))
         ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
         self._live = None
         generation = self._generation(len(ids), sampling, mode, on_text,
                                       threshold(min_prompt_tokens, self.min_prompt_tokens))
-        return generation.run(ids)
+        return generation, ids
 
     def prefill(self, ids: np.ndarray, mode: str = "pop") -> np.ndarray:
         """``ids`` [B, N] (no padding) from an empty cache on ``mode``'s schedule, pop always pruned; the

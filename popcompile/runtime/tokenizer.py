@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, processors
+from tokenizers.decoders import DecodeStream
 
 from ..engine.manifest import engine_file
 from ..errors import ConfigError, EngineError
@@ -45,7 +46,6 @@ SPECIAL_TOKEN_KEYS: tuple[str, ...] = (
     "cls_token",
     "mask_token",
 )
-_REPLACEMENT_CHAR = "\ufffd"
 GENERATION_CONFIG = "generation_config.json"
 _REPAIR = "re-export the engine (or restore the file from the model's tokenizer files)"
 
@@ -210,40 +210,30 @@ class EngineTokenizer:
 
 
 class StreamDecoder:
-    """Turn generated token ids, pushed one at a time, into printable text pieces.
-
-    Each ``push`` decodes the whole generated list and returns the text added since
-    the last call, holding back a trailing U+FFFD (an incomplete multi-byte
-    character) until later tokens complete it.  ``flush`` returns whatever is still
-    held back.  The pieces concatenate to ``tokenizer.decode(all_ids)``.
+    """Turn generated token ids, pushed one at a time, into printable text pieces, in time linear in the
+    output: ``tokenizers.decoders.DecodeStream`` decodes only the few ids since its last complete piece,
+    and holds back an incomplete multi-byte character until later tokens complete it.  ``flush`` returns
+    whatever is still held back.  The pieces concatenate to ``tokenizer.decode(all_ids)``.
     """
 
     def __init__(self, tokenizer: EngineTokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
-        self._emitted = 0  # characters of the decoded text already returned
-
-    @property
-    def text(self) -> str:
-        """The full text of every pushed token, held-back characters included."""
-        return self._tokenizer.decode(self.ids, skip_special_tokens=self._skip_special)
+        self._emitted = 0  # characters returned so far
 
     def push(self, token_id: int) -> str:
         """Add one token id; return the new printable text (possibly empty)."""
         self.ids.append(int(token_id))
-        text = self.text
-        end = len(text.rstrip(_REPLACEMENT_CHAR))
-        if end <= self._emitted:
-            return ""
-        piece = text[self._emitted : end]
-        self._emitted = end
+        piece = self._stream.step(self._tokenizer._tok, int(token_id)) or ""
+        self._emitted += len(piece)
         return piece
 
     def flush(self) -> str:
-        """Return the text still held back (e.g. a genuinely invalid byte sequence)."""
-        text = self.text
-        piece = text[self._emitted :]
+        """Return the text still held back (e.g. a genuinely invalid byte sequence): one full decode."""
+        text = self._tokenizer.decode(self.ids, skip_special_tokens=self._skip_special)
+        piece = text[self._emitted:]
         self._emitted = len(text)
         return piece
 
