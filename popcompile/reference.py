@@ -142,6 +142,22 @@ class PopRun:
         with self.stage(pruned=False):
             return _forward(self.model, ids, self.cache, start)
 
+    def extend(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """A chat's next turn: the cache cut back to its first ``start`` rows, then ``ids`` [B, M] prefilled
+        after them on the prefill's schedule (all pruned but the last, with a boundary); logits [B, V]."""
+        surplus = self.cache.get_seq_length() - start
+        if surplus:  # a negative count removes rows in every transformers 5.x (a positive one changed meaning)
+            self.cache.crop(-surplus)
+        rows = ids.shape[1] - 1 if self.variant.boundary else ids.shape[1]
+        logits = None
+        if rows:
+            with self.stage(pruned=True):
+                logits = _forward(self.model, ids[:, :rows], self.cache, start)
+        if rows == ids.shape[1]:
+            return logits[:, -1]
+        with self.stage(pruned=False):
+            return _forward(self.model, ids[:, rows:], self.cache, start + rows)[:, -1]
+
 
 def attention_for(model, variant: Variant) -> contextlib.AbstractContextManager:
     """Eager attention where the variant needs a materialised mask (kv_projection=False), else as is."""

@@ -17,6 +17,7 @@ import torch
 from popcompile import reference
 from popcompile.engine.kv import KVLayout
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
+from popcompile.errors import InputError
 from popcompile.driver import export
 from popcompile.models import load_model
 from popcompile.runtime.generate import SamplingConfig
@@ -154,6 +155,70 @@ def test_streamed_text_stops_before_a_stop_string_and_decodes_incrementally(smol
     text = "".join(pieces)
     assert stop not in text and text == free[:free.find(stop)]
     assert len(calls) == 1
+
+
+CHAT = [{"role": "user", "content": "Name three prime numbers."}]
+
+
+def _greedy(run: reference.PopRun, logits: torch.Tensor, position: int, count: int) -> list[int]:
+    tokens = []
+    for _ in range(count):
+        tokens.append(int(logits[0].argmax()))
+        if tokens[-1] == 2 or len(tokens) == count:
+            return tokens
+        logits = run.step(torch.tensor([tokens[-1:]]), position + len(tokens) - 1)[:, -1]
+    return tokens
+
+
+def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
+    """Turn 2 prefills only what turn 1 did not leave in the cache (POP on the new tokens, after the
+    cached rows), and its greedy reply equals reference.PopRun doing the same in PyTorch."""
+    session, sampling = PopSession(smol_engine), SamplingConfig(max_new_tokens=12)
+    first = session.chat(CHAT, sampling)
+    second_turn = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Two more?"}]
+    second = session.chat(second_turn, sampling)
+    assert first.cached_tokens == 0 and second.cached_tokens > len(first.prompt_token_ids)
+    assert second.prompt_token_ids == session.tokenizer.encode_chat(second_turn)
+
+    run = reference.PopRun(smol.model, reference.Variant(cut=EngineManifest.read(smol_engine).cut), 0)
+    prompt1, prompt2 = first.prompt_token_ids, second.prompt_token_ids
+    reply1 = _greedy(run, run.extend(torch.tensor([prompt1]), 0), len(prompt1), 12)
+    assert reply1 == first.token_ids
+    cached = prompt1 + reply1[:-1]
+    kept = next(i for i, (a, b) in enumerate(zip(cached + [-1], prompt2)) if a != b)
+    assert kept == second.cached_tokens
+    reply2 = _greedy(run, run.extend(torch.tensor([prompt2[kept:]]), kept), len(prompt2), 12)
+    assert reply2 == second.token_ids
+
+
+def test_chat_in_full_mode_equals_generating_from_the_whole_history(smol_engine):
+    session, sampling = PopSession(smol_engine), SamplingConfig(max_new_tokens=12)
+    first = session.chat(CHAT, sampling, mode="full")
+    turn = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And their sum?"}]
+    cached = session.chat(turn, sampling, mode="full")
+    whole = session.generate([cached.prompt_token_ids], sampling, mode="full")[0]  # also ends the reuse
+    assert cached.cached_tokens > 0 and cached.token_ids == whole.token_ids
+    assert session.chat(turn, sampling, mode="full").cached_tokens == 0
+
+
+def test_cli_chat_holds_a_conversation_on_stdin(smol_engine):
+    """`run --chat` without a prompt: one JSON object per stdin line; the second turn reuses the first's rows."""
+    done = subprocess.run([sys.executable, "-m", "popcompile.cli", "run", str(smol_engine), "--chat", "--json",
+                           "--max-new-tokens", "8", "--greedy"], input="Name a colour.\nAnother one?\n\nignored\n",
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    turns = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2]
+    assert turns[0]["cached_tokens"] == 0 and turns[1]["cached_tokens"] > len(turns[0]["prompt_token_ids"])
+
+
+def test_chat_refuses_what_is_not_a_conversation(smol_engine):
+    session = PopSession(smol_engine)
+    for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(InputError, match="messages must be"):
+            session.chat(bad)
+    with pytest.raises(InputError, match="more than the engine's max length"):
+        session.chat([{"role": "user", "content": "word " * MAX_SEQ}])
 
 
 def test_kv_buffer_allocated_once_and_signatures_equal(smol_engine):

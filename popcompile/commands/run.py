@@ -40,7 +40,10 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, help="random seed for sampling (default: a new one each run)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     chat = p.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the chat template; without --prompt, hold a conversation: each line of stdin is "
+                           "the user's next message, each turn prefills only its new tokens (the cache keeps the "
+                           "earlier turns); an empty line or end of input ends it")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
     path = p.add_mutually_exclusive_group()
     path.add_argument("--full", action="store_true", help="no pruning: prefill with the decode graph (for comparison)")
@@ -92,6 +95,9 @@ def cmd_run(args) -> None:
     prompt = _check_args(args)  # before the engine loads
     options = _sampling_options(args)
     session = open_session(args)
+    if prompt is None:
+        _converse(session, options, args)
+        return
     ids = session.encode(prompt, args.chat)  # a template or tokenizer problem stops here, before any note
     choice = resolve_sampling(session.tokenizer.generation_config, options,
                               str(args.engine / "generation_config.json"))
@@ -117,8 +123,9 @@ def cmd_run(args) -> None:
           f"{_describe(choice)}{_below_note(result, session, args)}", file=sys.stderr)
 
 
-def _check_args(args) -> str:
-    """The prompt text (file first, then --prompt); ConfigError/InputError for bad options."""
+def _check_args(args) -> str | None:
+    """The prompt text (file first, then --prompt), None for a conversation (--chat alone); ConfigError/
+    InputError for bad options."""
     check_range("--threads", args.threads, 1)
     check_range("--max-new-tokens", args.max_new_tokens, 1)
     check_range("--min-prompt-tokens", args.min_prompt_tokens, 0)
@@ -126,9 +133,38 @@ def _check_args(args) -> str:
     if args.repeat != 1 and not args.compare:
         raise CliError("--repeat times --compare's runs: use it with --compare")
     if args.prompt is None and args.prompt_file is None:
-        raise CliError("no prompt: give --prompt TEXT, --prompt-file FILE, or both (the file's text, then TEXT)")
+        if args.chat and not args.compare:
+            return None  # a conversation on stdin
+        raise CliError("no prompt: give --prompt TEXT, --prompt-file FILE, or both (the file's text, then TEXT); "
+                       "or --chat without them for a conversation")
     parts = [read_text(args.prompt_file, "--prompt-file")] if args.prompt_file is not None else []
     return "\n\n".join(parts + ([args.prompt] if args.prompt is not None else []))
+
+
+def _converse(session, options, args) -> None:
+    """`run --chat` without a prompt: each line of stdin is a user turn (session.chat); replies stream to
+    stdout, or one JSON object per turn with --json."""
+    from ..runtime.defaults import resolve_sampling
+
+    choice = resolve_sampling(session.tokenizer.generation_config, options, str(args.engine / "generation_config.json"))
+    sampling, mode = choice.config(args.max_new_tokens, tuple(args.stop)), "full" if args.full else "pop"
+    messages, ask = [], sys.stdin.isatty() and not args.json
+    while True:
+        if ask:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline().rstrip("\n")
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line})
+        stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+        reply = session.chat(messages, sampling, mode=mode, on_text=stream, min_prompt_tokens=args.min_prompt_tokens)
+        messages.append({"role": "assistant", "content": reply.text})
+        if args.json:
+            print(json.dumps({**reply.to_dict(), "turn": len(messages) // 2}), flush=True)
+            continue
+        print(f"\n[turn {len(messages) // 2}: {len(reply.prompt_token_ids) - reply.cached_tokens} new prompt tokens, "
+              f"{reply.cached_tokens} cached | TTFT {reply.ttft_s * 1000:.1f} ms | decode "
+              f"{reply.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
 
 
 def _warm_up(session, ids: list[int], modes: tuple[str, ...]) -> None:

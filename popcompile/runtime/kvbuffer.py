@@ -57,6 +57,13 @@ class KVBuffer:
         self.mask[:] = 0
         self._staged = self._handed = None
 
+    def truncate(self, length: int) -> None:
+        """Forget rows ``length``.. (a chat's next turn keeps the rows its tokens share with the cache)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+        self.mask[:, length:] = 0
+        self._staged = self._handed = None
+
     def _views(self, batch: int, offset_rows: int, rows: int) -> list[np.ndarray]:
         """[batch, H_kv, rows, D] views of every staging row, starting after ``offset_rows`` rows' worth."""
         heads, dim = batch * self.layout.num_kv_heads, self.layout.head_dim

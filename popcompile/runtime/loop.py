@@ -66,6 +66,7 @@ class GenerationResult:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     prefill: str = "pop"        # what ran: "pop", or "full" for mode="full" and prompts below min_prompt_tokens
+    cached_tokens: int = 0      # prompt tokens whose rows an earlier chat turn left in the cache (not prefilled)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -192,7 +193,7 @@ class Generation:
     def prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """ids [B, N] (left-padded, mask [B, N]) after the cached rows, on the schedule the module docstring
         gives for this generation's mode; the logits [B, V] predicting token N+1. Public: eval scores them."""
-        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        positions = self.buffer.length + np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # after the cached rows
         if self.path == "pop" and self.folded and ids.shape[1] > 1:
             return self.step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
         split = ids.shape[1] - 1 if self.path == "pop" else 0
@@ -207,20 +208,25 @@ class Generation:
                 self.on_text(piece)
         return self.results
 
-    def stream(self, prompts: list[list[int]]) -> Iterator[TextPiece]:
+    def stream(self, prompts: list[list[int]], resume: bool = False) -> Iterator[TextPiece]:
         """``run``'s work as a generator of the new text of each row (``TextPiece``) while it decodes;
         ``results`` holds the GenerationResults once it is exhausted. The pieces of a row concatenate to
-        its result's text. Time the caller spends between pieces counts as decode time."""
+        its result's text. Time the caller spends between pieces counts as decode time. ``resume``: the
+        prompts continue the rows the buffer holds (one sequence: a chat's next turn) instead of an empty
+        cache."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_pad(prompts, pad)
+        assert not resume or len(prompts) == 1, "a resumed sequence is one row"
         self.path = prefill_path(self.mode, prompts, self.min_prompt_tokens)
-        self.buffer.reset()
+        if not resume:
+            self.buffer.reset()
+        past = self.buffer.length
         start = time.perf_counter()
         first = self.sampler(self.prefill(ids, mask))
         ttft = time.perf_counter() - start
         generated = [[] for _ in prompts]
         streams = [_RowText(self.tokenizer, self.sampling.stop) for _ in prompts]
-        steps = yield from self._decode(first, mask.sum(axis=1), generated, streams)
+        steps = yield from self._decode(first, past + mask.sum(axis=1), generated, streams)
         decode_s = time.perf_counter() - start - ttft
         texts = [self.stop.trim(self.tokenizer.decode(tokens)) for tokens in generated]
         for row, (text, stream) in enumerate(zip(texts, streams)):

@@ -2,6 +2,7 @@
 
     session.generate(prompts, sampling)     text or token ids in, GenerationResults out (loop.Generation)
     session.stream(prompts, sampling)       the same, as an iterator of text pieces while it decodes
+    session.chat(messages, sampling)        one turn of a conversation; earlier turns' rows stay cached
     session.prefill(ids [B, N], mode)       from an empty cache: logits [B, V] predicting token N+1
     session.step(ids [B, T])                decode graph after the cached rows: logits [B, V] of the last
 
@@ -16,6 +17,7 @@ or a graph runner) and the KV buffer for ``batch`` rows (InputError when the run
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -24,6 +26,7 @@ import numpy as np
 from ..errors import InputError
 from .defaults import engine_sampling
 from .generate import SamplingConfig
+from .chat import History, chat_prompt_ids
 from .loop import Generation, GenerationResult, TextPiece, encode_prompt, prompt_ids, threshold
 
 
@@ -31,6 +34,7 @@ class Session:
     """Shared by PopSession (onnxruntime) and TrtSession (TensorRT); see the module docstring."""
 
     _live: Generation | None = None  # the prefill/step sequence in progress
+    _history: History | None = None  # what the buffer holds of a chat (chat.py)
 
     def _graphs(self, batch: int) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -74,12 +78,39 @@ class Session:
         generation, ids = self._prepared(prompts, sampling, mode, chat, None, min_prompt_tokens)
         return generation.stream(ids)
 
+    def chat(self, messages: list[dict], sampling: SamplingConfig | None = None, *, mode: str = "pop",
+             on_text: Callable[[str], None] | None = None, min_prompt_tokens: int | None = None) -> GenerationResult:
+        """One turn of a conversation: ``messages`` (the whole conversation so far, ending with the user's
+        turn) through the chat template; returns the reply. The cache keeps the rows of earlier turns
+        that the new prompt starts with, and only the rest is prefilled (POP, its last token through the
+        full model; below ``min_prompt_tokens`` new tokens, in full)::
+
+            messages = [{"role": "user", "content": "Name a prime."}]
+            reply = session.chat(messages)
+            messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Another?"}]
+            reply = session.chat(messages)      # prefills the new tokens only
+
+        ``generate``, ``stream`` and ``prefill`` start from an empty cache and end the conversation's reuse."""
+        ids = chat_prompt_ids(self.tokenizer, messages, self.layout.max_seq)
+        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
+                                   str(self.folder / "generation_config.json"))
+        self._live = None
+        generation = self._generation(1, sampling, mode, on_text, threshold(min_prompt_tokens, self.min_prompt_tokens))
+        kept = self._history.keep_for(ids, generation.buffer) if self._history is not None else 0
+        for piece in generation.stream([ids[kept:]], resume=kept > 0):
+            if on_text is not None:
+                on_text(piece)
+        result = generation.results[0]
+        self._history = History(generation.buffer, ids[:kept] + result.prompt_token_ids + result.token_ids[:-1])
+        assert len(self._history.ids) == generation.buffer.length  # the last reply token never ran
+        return dataclasses.replace(result, prompt_token_ids=ids, cached_tokens=kept)
+
     def _prepared(self, prompts, sampling, mode, chat, on_text, min_prompt_tokens) -> tuple[Generation, list]:
         """The checked prompt ids and the Generation that runs them (generate, stream)."""
         sampling = engine_sampling(self.tokenizer.generation_config, sampling,
                                    str(self.folder / "generation_config.json"))
         ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
-        self._live = None
+        self._live = self._history = None
         generation = self._generation(len(ids), sampling, mode, on_text,
                                       threshold(min_prompt_tokens, self.min_prompt_tokens))
         return generation, ids
@@ -91,6 +122,7 @@ class Session:
         if ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[1] > self.layout.max_seq:
             raise InputError(f"prefill takes token ids [batch, N] with 1 <= N <= max_seq={self.layout.max_seq}, "
                              f"got shape {ids.shape}")
+        self._history = None
         self._live = self._generation(ids.shape[0], SamplingConfig(), mode)
         self._live.buffer.reset()
         return self._live.prefill(ids, np.ones_like(ids))

@@ -88,7 +88,7 @@ class Rows:
 
 class DeviceKV:
     """The session's KV buffer on the device; what runtime.loop.Generation uses of runtime.kvbuffer.KVBuffer
-    (``reset``, ``past``, ``write``, ``attention_mask``, ``length``, ``layout``, ``batch``)."""
+    (``reset``, ``truncate``, ``past``, ``write``, ``attention_mask``, ``length``, ``layout``, ``batch``)."""
 
     def __init__(self, layout, batch: int, itemsize: int, device: Device, sentinel: int = 1):
         self.layout, self.device, self.sentinel = layout, device, sentinel
@@ -110,6 +110,12 @@ class DeviceKV:
     def reset(self) -> None:
         self.length = 0
         self.mask[:] = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget rows ``length``.. (as KVBuffer.truncate; the rows stay on the device, masked and overwritten)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+        self.mask[:, length:] = 0
 
     def past(self, batch: int) -> list[Rows]:
         """Handles, not data: the runner binds or gathers the rows (0..sentinel+length-1) itself."""

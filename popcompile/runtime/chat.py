@@ -1,0 +1,60 @@
+"""Multi-turn chat on one session: the KV rows of earlier turns stay in the buffer, a turn prefills only
+what is new.
+
+    turn 1   [system, user1] -> template ids p1            prefill p1 (POP), decode reply r1
+    cache    p1 + r1[:-1]                                  (the last reply token never ran: nothing came after it)
+    turn 2   [.., assistant r1, user2] -> template ids p2  keep the longest common prefix of p2 and the cache,
+                                                           prefill the rest of p2 after it (POP but its last token)
+
+The rows kept are exactly what the earlier turns wrote: the prompts' deep K/V are POP's approximation
+(as a fresh POP prefill of the whole history would make them), the replies' are the full model's. Where
+the template renders the reply differently from the generated ids (an end-of-turn token, another
+tokenisation), the cache is cut back to the tokens both agree on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError, InputError
+from .kvbuffer import KVBuffer
+from .tokenizer import EngineTokenizer
+
+
+@dataclass
+class History:
+    """The token ids whose rows ``buffer`` holds, in order (len(ids) == buffer.length)."""
+
+    buffer: KVBuffer
+    ids: list[int]
+
+    def keep_for(self, ids: list[int], buffer: KVBuffer) -> int:
+        """Cut the buffer back to the longest common prefix of its ids and ``ids`` (at least one token of
+        ``ids`` is left to prefill: its logits start the reply); return the rows kept."""
+        if buffer is not self.buffer:
+            return 0
+        kept = 0
+        for cached, new in zip(self.ids, ids[:-1]):
+            if cached != new:
+                break
+            kept += 1
+        buffer.truncate(kept)
+        return kept
+
+
+def chat_prompt_ids(tokenizer: EngineTokenizer, messages: object, max_seq: int) -> list[int]:
+    """``messages`` ({"role", "content"} dicts, the conversation so far) -> the template's ids with the
+    generation prompt; ConfigError without a chat template, InputError for anything but such a list or
+    a conversation that does not fit the engine."""
+    if not tokenizer.has_chat_template:
+        raise ConfigError("this engine's tokenizer has no chat template, so it cannot hold a chat: generate "
+                          "from plain text with session.generate (or `popcompile run --no-chat`)")
+    if not isinstance(messages, (list, tuple)) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise InputError("messages must be a non-empty list of {'role': str, 'content': str} dicts, the "
+                         "conversation so far, ending with the user's turn")
+    ids = tokenizer.encode_chat(list(messages), add_generation_prompt=True)
+    if len(ids) >= max_seq:
+        raise InputError(f"the conversation is {len(ids)} tokens, more than the engine's max length {max_seq}: "
+                         "start a new one with fewer messages, or re-export with a larger --max-seq")
+    return ids
