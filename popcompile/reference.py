@@ -174,14 +174,20 @@ def generate(
         raise ValueError(f"prompt must have shape [1, N] with N >= 2, got {tuple(prompt.shape)}")
     with attention_for(model, variant):
         run = PopRun(model, variant, prompt.shape[1])
-        logits, tokens, pos = run.prefill(prompt), [], prompt.shape[1]
-        for _ in range(max_new_tokens):
-            token = int(logits[0].argmax())
-            tokens.append(token)
-            if token == eos_token_id:
-                break
-            logits = run.step(torch.tensor([[token]]), pos)[:, -1]
-            pos += 1
+        return greedy(run, run.prefill(prompt), prompt.shape[1], max_new_tokens, eos_token_id)
+
+
+@torch.no_grad()
+def greedy(run: PopRun, logits: torch.Tensor, position: int, max_new_tokens: int,
+           eos_token_id: int | None = None) -> list[int]:
+    """Greedy decode steps from ``logits`` [1, V] (predicting the token at ``position``); the new ids, up to
+    and including an eos. The last token is never run (nothing comes after it)."""
+    tokens = []
+    for _ in range(max_new_tokens):
+        tokens.append(int(logits[0].argmax()))
+        if tokens[-1] == eos_token_id or len(tokens) == max_new_tokens:
+            break
+        logits = run.step(torch.tensor([tokens[-1:]]), position + len(tokens) - 1)[:, -1]
     return tokens
 
 

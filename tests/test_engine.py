@@ -160,16 +160,6 @@ def test_streamed_text_stops_before_a_stop_string_and_decodes_incrementally(smol
 CHAT = [{"role": "user", "content": "Name three prime numbers."}]
 
 
-def _greedy(run: reference.PopRun, logits: torch.Tensor, position: int, count: int) -> list[int]:
-    tokens = []
-    for _ in range(count):
-        tokens.append(int(logits[0].argmax()))
-        if tokens[-1] == 2 or len(tokens) == count:
-            return tokens
-        logits = run.step(torch.tensor([tokens[-1:]]), position + len(tokens) - 1)[:, -1]
-    return tokens
-
-
 def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
     """Turn 2 prefills only what turn 1 did not leave in the cache (POP on the new tokens, after the
     cached rows), and its greedy reply equals reference.PopRun doing the same in PyTorch."""
@@ -182,12 +172,12 @@ def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
 
     run = reference.PopRun(smol.model, reference.Variant(cut=EngineManifest.read(smol_engine).cut), 0)
     prompt1, prompt2 = first.prompt_token_ids, second.prompt_token_ids
-    reply1 = _greedy(run, run.extend(torch.tensor([prompt1]), 0), len(prompt1), 12)
+    reply1 = reference.greedy(run, run.extend(torch.tensor([prompt1]), 0), len(prompt1), 12, 2)
     assert reply1 == first.token_ids
     cached = prompt1 + reply1[:-1]
     kept = next(i for i, (a, b) in enumerate(zip(cached + [-1], prompt2)) if a != b)
     assert kept == second.cached_tokens
-    reply2 = _greedy(run, run.extend(torch.tensor([prompt2[kept:]]), kept), len(prompt2), 12)
+    reply2 = reference.greedy(run, run.extend(torch.tensor([prompt2[kept:]]), kept), len(prompt2), 12, 2)
     assert reply2 == second.token_ids
 
 

@@ -18,6 +18,7 @@ from popcompile.tools.eval import report
 from popcompile.tools.eval import run
 from popcompile.tools.eval import scoring
 from popcompile.tools.eval import sweep
+from popcompile.errors import ConfigError
 from popcompile.reference import Variant
 from tiny import tiny_model
 
@@ -374,3 +375,36 @@ def test_chat_stop_rule_and_prompt_formats(problems):
     assert chat == CharTokenizer()(f"<user>{humaneval.CHAT_INSTRUCTION.format(prompt=p['prompt'])}<assistant>")[
         "input_ids"]
     assert humaneval.prompt_ids(ChatTokenizer(), p, "raw") == CharTokenizer()(p["prompt"])["input_ids"]
+
+
+class ChatCharTokenizer(CharTokenizer):
+    """CharTokenizer with a chat template: "role: content" lines, then "assistant:" for the reply."""
+
+    chat_template = "role: content"
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=True, return_dict=False):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+        return self(text)["input_ids"]
+
+
+def test_chat_task_with_nothing_pruned_carries_the_cache_exactly(model):
+    """At cut = L the cache carried across turns (replies as decode steps, each turn's new tokens after the
+    kept rows) gives the whole-history prefill's logits; at cut 2 the carried POP rows change them."""
+    from popcompile.tools.eval.chat import CONVERSATIONS, _history, carried_prefill, chat_task
+
+    tok, full = ChatCharTokenizer(), Variant(cut=LAYERS)
+    conversation = _history(model, tok, CONVERSATIONS[0], full, 5)
+    assert [len(reply) for _, reply in conversation.turns] == [5, 5]
+    whole = reference.PopRun(model, full, 0).extend(torch.tensor([conversation.final]), 0)
+    torch.testing.assert_close(carried_prefill(model, conversation, full)[1], whole, atol=1e-5, rtol=1e-5)
+    assert (carried_prefill(model, conversation, Variant(cut=2))[1] - whole).abs().max() > 1e-3
+    result = chat_task(model, tok, 2, limit=2, gen_tokens=6)
+    assert result["conversations"] == 2 and set(result["variants"]) == {"full", "pop", "pop-carried"}
+    assert result["variants"]["full"]["exact_match"] == 1.0
+
+
+def test_chat_task_needs_a_chat_template(model):
+    from popcompile.tools.eval.chat import chat_task
+
+    with pytest.raises(ConfigError, match="needs a chat template"):
+        chat_task(model, CharTokenizer(), 2, limit=1, gen_tokens=4)

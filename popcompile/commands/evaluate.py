@@ -19,8 +19,9 @@ def register(sub) -> None:
                     "the exported cut); the ablations, --cut and --sweep need the model.")
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder, "
                                  "or an engine folder from `popcompile export`")
-    p.add_argument("--tasks", help="comma list of continuation, generation, humaneval (default: continuation,generation; "
-                                   "none with --sweep)")
+    p.add_argument("--tasks", help="comma list of continuation, generation, humaneval, chat (default: "
+                                   "continuation,generation; none with --sweep; chat: three-turn conversations, POP "
+                                   "with the cache carried across turns vs re-prefilled, a model only)")
     p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder)")
     add_cut_options(p)
     p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")

@@ -12,7 +12,7 @@ from pathlib import Path
 from ...errors import ConfigError, OutputError
 from ...fsutil import check_destination
 
-TASKS = ("continuation", "generation", "humaneval")
+TASKS = ("continuation", "generation", "humaneval", "chat")
 DEFAULT_TASKS = ("continuation", "generation")
 #: what `eval --out` writes (replaced only with --force)
 OUTPUT_FILES = ("results.json", "quality.png", "sweep.png")

@@ -192,6 +192,9 @@ def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
     """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the results."""
     from ...runtime import open_session
 
+    if "chat" in c.tasks:  # its pop-carried variant replays the full model's replies into a POP cache
+        raise ConfigError("the chat task runs through the reference on a model (give its name, e.g. "
+                          "smollm2-135m), not on an engine folder: leave chat out of --tasks")
     names = engine_variant_names(c.variants, c.cut, c.prune_ratio, c.sweep)
     provider = c.provider or "cpu"
     session = open_session(Path(folder).expanduser(), "onnxruntime", provider=provider, threads=c.threads)

@@ -9,7 +9,7 @@ from ...fsutil import atomic_path, atomic_write
 from .config import check_output_folder
 
 # bar colours follow the order of scoring.VARIANTS; curves of the sweep by variant
-_VARIANT_ORDER = ("full", "pop", "pop-kvfit", "pop-no-boundary", "pop-no-kv", "shortgpt")
+_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-no-boundary", "pop-no-kv", "shortgpt")
 _CURVE_COLORS = {"pop": "tab:blue", "pop-kvfit": "tab:orange"}
 
 
@@ -34,6 +34,12 @@ def _task_tables(t: dict, results: dict) -> list[str]:
         parts.append(f"\ngeneration: {g['prompts']} prompts, greedy {g['max_new_tokens']} tokens")
         parts.append(format_table(["variant", "exact", "prefix", "length"], [
             [n, v["exact_match"], v["matched_prefix"], v["mean_length"]] for n, v in g["variants"].items()]))
+    if "chat" in t:
+        c = t["chat"]
+        parts.append(f"\nchat: {c['conversations']} conversations, turn {c['turns']}'s reply, greedy "
+                     f"{c['max_new_tokens']} tokens (pop-carried: the cache carried across turns)")
+        parts.append(format_table(["variant", "exact", "prefix", "length"], [
+            [n, v["exact_match"], v["matched_prefix"], v["mean_length"]] for n, v in c["variants"].items()]))
     if "humaneval" in t:
         h = t["humaneval"]
         parts.append(f"\nhumaneval: {h['problems']} problems (prompt: {h.get('prompt_format', 'raw')}, "
@@ -80,6 +86,9 @@ def _panels(results: dict) -> list[tuple[str, dict[str, float], bool]]:
         v = t["generation"]["variants"]
         panels += [("generation: exact match with full", {n: x["exact_match"] for n, x in v.items()}, False),
                    ("generation: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()}, False)]
+    if "chat" in t:
+        v = t["chat"]["variants"]
+        panels += [("chat, turn 3: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()}, False)]
     if "humaneval" in t:
         v = t["humaneval"]["variants"]
         panels += [("humaneval: pass@1", {n: x["pass@1"] for n, x in v.items()}, False)]

@@ -12,7 +12,8 @@ Tasks (data: ``data.py``): ``continuation`` (teacher-forced NLL / perplexity of 
 after a prefilled prefix, and top-1 agreement with the full model), ``generation`` (greedy chat
 generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
 runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
-``humaneval.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` at every cut
+``humaneval.py``), ``chat`` (three-turn conversations: POP with the cache carried across turns, as
+``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` at every cut
 from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
 choice ``choose_cut``).
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from . import data as eval_data
+from .chat import chat_task
 from .config import EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
 from .humaneval import humaneval_eval
@@ -82,6 +84,8 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
             "variants": continuation_eval(model, docs, variants, c.batch_size)})
     if "generation" in c.tasks:
         t["generation"] = timed(lambda: reference_generation_task(model, tok, variants, c.limit, c.gen_tokens))
+    if "chat" in c.tasks:
+        t["chat"] = timed(lambda: chat_task(model, tok, cut, c.limit, c.gen_tokens))
     if "humaneval" in c.tasks:
         problems = eval_data.humaneval_problems()[:c.limit]
         t["humaneval"] = timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_eval(
