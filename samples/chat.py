@@ -1,12 +1,12 @@
-"""A short multi-turn chat with an engine folder: the chat template over the whole conversation, text streamed.
+"""A short multi-turn chat with an engine folder: the chat template, the cache kept between turns, text streamed.
 
     python samples/chat.py                                # engines/smol (export_and_run.py's), compiled first if absent
     python samples/chat.py --out engines/gemma --model gemma3-270m --turn "Hi!" --turn "What did I just say?"
 
 An engine already in ``--out`` is used as it is; otherwise ``--model`` is compiled into it first (add
 ``--kv-calibration none --min-prompt-tokens 0`` to skip the POP+ fit and the threshold measurement, the slow
-part). Each turn prefills the whole conversation so far (POP when it is long enough: the engine's
-min_prompt_tokens).
+part). Each turn prefills only what the cache does not hold of the conversation so far (POP when that
+is long enough: the engine's min_prompt_tokens).
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ def chat(folder, turns, max_new_tokens=48):
     for text in turns:
         messages.append({"role": "user", "content": text})
         print(f"> {text}\n", end="", flush=True)
-        ids = session.tokenizer.encode_chat(messages)  # the engine's own chat template, no transformers
-        reply = session.generate([ids], {"max_new_tokens": max_new_tokens, "greedy": True},
-                                 on_text=lambda piece: print(piece, end="", flush=True))[0]
-        print(f"\n[{len(ids)} prompt tokens, {reply.prefill} prefill, {reply.ttft_s:.3f} s to the first token]")
+        reply = session.chat(messages, {"max_new_tokens": max_new_tokens, "greedy": True},  # the engine's template
+                             on_text=lambda piece: print(piece, end="", flush=True))  # streamed as it decodes
+        new = len(reply.prompt_token_ids) - reply.cached_tokens  # earlier turns' rows stay in the cache
+        print(f"\n[{new} new prompt tokens, {reply.cached_tokens} cached, {reply.prefill} prefill, "
+              f"{reply.ttft_s:.3f} s to the first token]")
         messages.append({"role": "assistant", "content": reply.text})
     return messages
 # [/readme]

@@ -71,14 +71,16 @@ def test_export_and_run_compiles_and_generates_with_pop_and_full(engine):
     assert (out / "popcompile.json").is_file() and (out / "prefill.onnx").is_file()
 
 
-def test_chat_streams_two_turns_over_the_whole_conversation(engine):
+def test_chat_streams_two_turns_and_keeps_the_first_in_the_cache(engine):
     out, _ = engine
     done = run_sample("chat.py", "--out", out, "--turn", "t1 t2 t3", "--turn", "t4 t5", "--max-new-tokens", "4")
     assert done.returncode == 0, done.stderr
     assert "compiling" not in done.stderr  # the engine in --out is used as it is
-    stats = re.findall(r"\[(\d+) prompt tokens, pop prefill, [\d.]+ s to the first token\]", done.stdout)
+    stats = re.findall(r"\[(\d+) new prompt tokens, (\d+) cached, \w+ prefill, [\d.]+ s to the first token\]",
+                       done.stdout)
     assert done.stdout.count("> ") == 2 and len(stats) == 2
-    assert int(stats[1]) > int(stats[0]) + 2  # the second turn's prompt holds the first turn and its reply
+    (new1, cached1), (new2, cached2) = [(int(a), int(b)) for a, b in stats]
+    assert cached1 == 0 and cached2 >= new1  # the second turn reuses at least the first one's prompt rows
 
 
 def test_chat_compiles_the_model_when_out_holds_no_engine(tmp_path):
