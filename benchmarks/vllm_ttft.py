@@ -13,6 +13,7 @@ blocks alternate vanilla / pop / pop / vanilla ... over ``--rounds``, and the ta
 
     .venv-vllm/bin/python benchmarks/vllm_ttft.py --tokens 512 1024 2048 --reps 5 --rounds 2 --load 16
     .venv-vllm/bin/python benchmarks/vllm_ttft.py --in-process --load 0      # single requests, one process
+    .venv-vllm/bin/python benchmarks/vllm_ttft.py --eager                    # enforce_eager (default: torch.compile)
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 from popcompile.exporters.vllm import stock_view
 
 CACHE = Path.home() / ".cache" / "popcompile" / "bench-vllm"
-ENGINE = dict(enforce_eager=True, dtype="float32", max_model_len=4096, enable_prefix_caching=False,
+ENGINE = dict(dtype="float32", max_model_len=4096, enable_prefix_caching=False,
               max_num_batched_tokens=4096, seed=0)
 
 
@@ -84,7 +85,7 @@ def _timed(call) -> float:
 
 
 def engine_args() -> dict:
-    return {**ENGINE, "enforce_eager": os.environ.get("POP_BENCH_COMPILE") != "1"}
+    return {**ENGINE, "enforce_eager": os.environ.get("POP_BENCH_EAGER") == "1"}
 
 
 def measure_load(folder: Path, requests: int, tokens: int, rate: float) -> dict:
@@ -130,8 +131,8 @@ def run_block(args, folder: Path, kind: str) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.in_process:  # engine core and worker in the measuring process: no polling processes beside it
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if args.compile:  # read by engine_args() in the block's process
-        env["POP_BENCH_COMPILE"] = "1"
+    if args.eager:  # read by engine_args() in the block's process
+        env["POP_BENCH_EAGER"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
@@ -178,9 +179,8 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine in the measuring process (on 2 cores "
                              "its default front-end/engine/worker processes take CPU from the model)")
-    parser.add_argument("--compile", action="store_true",
-                        help="vLLM's default torch.compile mode instead of enforce_eager (what `vllm serve` does "
-                             "without --enforce-eager)")
+    parser.add_argument("--eager", action="store_true",
+                        help="enforce_eager=True (`vllm serve --enforce-eager`) instead of vLLM's default torch.compile")
     parser.add_argument("--worker", choices=["vanilla", "pop"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -201,7 +201,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: {kind} done", file=sys.stderr)
     config = transformers.AutoConfig.from_pretrained(paths["vanilla"])
     cut = json.loads((paths["pop"] / "config.json").read_text())["popcompile"]["cut"]
-    where = (", in-process engine" if args.in_process else "") + (", torch.compile" if args.compile else ", eager")
+    where = (", in-process engine" if args.in_process else "") + (", enforce_eager" if args.eager else ", torch.compile")
     print(f"vLLM {__import__('vllm').__version__} CPU, {args.model}, cut {cut} of {config.num_hidden_layers}, "
           f"{os.cpu_count()} cores{where}\n" + table(args, results, cut, config)
           + (load_table(args, results) if args.load else ""))
