@@ -24,7 +24,7 @@ def serve_with_pop(model, out, prompt, max_new_tokens=32, kv_calibration="auto",
 
     config = popcompile.PopConfig(kv_calibration=kv_calibration)
     popcompile.compile(model, config, out=out, target="vllm", force=force)  # a Hugging Face folder
-    llm = LLM(str(out), dtype="float32", enforce_eager=True)  # popcompile's vLLM plugin serves the POP class
+    llm = LLM(str(out), dtype="float32")  # the POP class, by popcompile's vLLM plugin; torch.compile'd
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
     return llm.generate(prompt, params)[0].outputs[0].text
 # [/readme]
