@@ -32,13 +32,19 @@ class History:
         ``ids`` is left to prefill: its logits start the reply); return the rows kept."""
         if buffer is not self.buffer:
             return 0
-        kept = 0
-        for cached, new in zip(self.ids, ids[:-1]):
-            if cached != new:
-                break
-            kept += 1
+        kept = common_prefix(self.ids, ids)
         buffer.truncate(kept)
         return kept
+
+
+def common_prefix(cached: list[int], ids: list[int]) -> int:
+    """Rows of ``cached`` that a prompt ``ids`` starts with, leaving at least its last token to prefill."""
+    kept = 0
+    for a, b in zip(cached, ids[:-1]):
+        if a != b:
+            break
+        kept += 1
+    return kept
 
 
 def chat_prompt_ids(tokenizer: EngineTokenizer, messages: object, max_seq: int) -> list[int]:

@@ -15,8 +15,8 @@ Prompts of different lengths are left-padded, so x_N of every row sits in the la
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -201,9 +201,10 @@ class Generation:
             self.step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])
         return self.step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
 
-    def run(self, prompts: list[list[int]]) -> list[GenerationResult]:
-        """Generate for every prompt; ``on_text`` gets each new piece of text as it decodes."""
-        for piece in self.stream(prompts):
+    def run(self, prompts: list[list[int]], resume: bool = False) -> list[GenerationResult]:
+        """Generate for every prompt; ``on_text`` gets each new piece of text as it decodes (``resume``:
+        as in ``stream``)."""
+        for piece in self.stream(prompts, resume):
             if self.on_text is not None:
                 self.on_text(piece)
         return self.results

@@ -92,28 +92,27 @@ class Session:
 
         ``generate``, ``stream`` and ``prefill`` start from an empty cache and end the conversation's reuse."""
         ids = chat_prompt_ids(self.tokenizer, messages, self.layout.max_seq)
-        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
-                                   str(self.folder / "generation_config.json"))
         self._live = None
-        generation = self._generation(1, sampling, mode, on_text, threshold(min_prompt_tokens, self.min_prompt_tokens))
+        generation = self._generation(1, self._sampling(sampling), mode, on_text,
+                                      threshold(min_prompt_tokens, self.min_prompt_tokens))
         kept = self._history.keep_for(ids, generation.buffer) if self._history is not None else 0
-        for piece in generation.stream([ids[kept:]], resume=kept > 0):
-            if on_text is not None:
-                on_text(piece)
-        result = generation.results[0]
+        result = generation.run([ids[kept:]], resume=kept > 0)[0]
         self._history = History(generation.buffer, ids[:kept] + result.prompt_token_ids + result.token_ids[:-1])
         assert len(self._history.ids) == generation.buffer.length  # the last reply token never ran
         return dataclasses.replace(result, prompt_token_ids=ids, cached_tokens=kept)
 
     def _prepared(self, prompts, sampling, mode, chat, on_text, min_prompt_tokens) -> tuple[Generation, list]:
         """The checked prompt ids and the Generation that runs them (generate, stream)."""
-        sampling = engine_sampling(self.tokenizer.generation_config, sampling,
-                                   str(self.folder / "generation_config.json"))
+        sampling = self._sampling(sampling)
         ids = prompt_ids(self.tokenizer, prompts, chat, self.layout.max_seq, self.vocab)
         self._live = self._history = None
         generation = self._generation(len(ids), sampling, mode, on_text,
                                       threshold(min_prompt_tokens, self.min_prompt_tokens))
         return generation, ids
+
+    def _sampling(self, sampling) -> SamplingConfig:
+        """The SamplingConfig a call decodes with (runtime/defaults.py: the engine's generation_config.json)."""
+        return engine_sampling(self.tokenizer.generation_config, sampling, str(self.folder / "generation_config.json"))
 
     def prefill(self, ids: np.ndarray, mode: str = "pop") -> np.ndarray:
         """``ids`` [B, N] (no padding) from an empty cache on ``mode``'s schedule, pop always pruned; the

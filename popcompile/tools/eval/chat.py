@@ -20,6 +20,7 @@ import torch
 
 from ... import reference
 from ...errors import ConfigError
+from ...runtime.chat import common_prefix
 from .scoring import compare_generations, num_layers
 
 CONVERSATIONS: tuple[tuple[str, str, str], ...] = (
@@ -95,13 +96,3 @@ def carried_prefill(model, conversation: Conversation, variant) -> tuple[referen
         cached = ids + reply[:-1]
     kept = common_prefix(cached, conversation.final)
     return run, run.extend(torch.tensor([conversation.final[kept:]]), kept)
-
-
-def common_prefix(cached: list[int], ids: list[int]) -> int:
-    """Rows of ``cached`` a prompt ``ids`` starts with, leaving at least its last token to prefill."""
-    kept = 0
-    for a, b in zip(cached, ids[:-1]):
-        if a != b:
-            break
-        kept += 1
-    return kept
