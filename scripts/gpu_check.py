@@ -384,6 +384,8 @@ def engine_phase(kind: str, args) -> dict:
 
 # --------------------------------------------------------------------------------------------- main
 
+PHASES = ("matmul-peak", "graphs", "compile", "tensorrt", "ort-cuda")
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", type=float, default=450, help="seconds for all phases (default 450)")
@@ -391,6 +393,8 @@ def parse_args(argv):
                    help="results path without suffix: .json and .md are written (default docs/gpu_results)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny geometry, float32, inner eager: seconds")
     p.add_argument("--engine", type=Path, help="an exported engine folder for the TensorRT / ort-cuda phases")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=PHASES, metavar="PHASE",
+                   help=f"run only these phases (default all: {' '.join(PHASES)}); environment always runs")
     return p.parse_args(argv)
 
 
@@ -408,12 +412,17 @@ def main(argv=None) -> int:
     if plan.device == "cuda" and not env.get("torch.cuda"):
         report.record("matmul-peak", "skipped", reason="torch sees no CUDA device: run with --dry-run on a CPU")
     else:
-        run_phase(report, budget, "matmul-peak", 10, matmul_peak, plan)
-        model = build_model(plan)
-        run_phase(report, budget, "graphs", 120 if plan.device == "cuda" else 5, graphs_phase, plan, budget, model)
-        run_phase(report, budget, "compile", 150 if plan.device == "cuda" else 5, compile_phase, plan, budget, model)
+        if "matmul-peak" in args.phases:
+            run_phase(report, budget, "matmul-peak", 10, matmul_peak, plan)
+        model = build_model(plan) if {"graphs", "compile"} & set(args.phases) else None
+        if "graphs" in args.phases:
+            run_phase(report, budget, "graphs", 120 if plan.device == "cuda" else 5, graphs_phase, plan, budget, model)
+        if "compile" in args.phases:
+            run_phase(report, budget, "compile", 150 if plan.device == "cuda" else 5, compile_phase, plan, budget,
+                      model)
     for kind in ("tensorrt", "ort-cuda"):
-        run_phase(report, budget, kind, 0, engine_phase, kind, args)
+        if kind in args.phases:
+            run_phase(report, budget, kind, 0, engine_phase, kind, args)
     print(f"[gpu_check] results: {args.out.with_suffix('.md')}", flush=True)
     out = os.environ.get("OUT")
     if out:  # the device tool brings back what is under $OUT

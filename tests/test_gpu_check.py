@@ -45,3 +45,14 @@ def test_dry_run_measures_every_phase_without_packages_the_gpu_machine_lacks(tmp
         assert phases[name]["status"] == "skipped" and phases[name]["reason"]
     text = out.with_suffix(".md").read_text()
     assert "## graphs: ok" in text and "| batch | tokens | full ms | POP ms | ratio | FLOP bound |" in text
+
+
+def test_phases_runs_only_the_named_phases(tmp_path):
+    out = tmp_path / "gpu_results"
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_LIMIT": "200"}
+    env.pop("OUT", None)
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out),
+                          "--phases", "matmul-peak", "tensorrt"], env=env, capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    phases = json.loads(out.with_suffix(".json").read_text())["phases"]
+    assert set(phases) == {"environment", "matmul-peak", "tensorrt"}
