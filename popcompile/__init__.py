@@ -20,6 +20,7 @@ _PUBLIC = {
     "compile": "popcompile.driver",
     "PopConfig": "popcompile.config",
     "KVCalibration": "popcompile.config",
+    "WeightQuantization": "popcompile.config",
     "OnnxTarget": "popcompile.exporters.targets",
     "TensorRTTarget": "popcompile.exporters.targets",
     "TrtBuildConfig": "popcompile.exporters.tensorrt",

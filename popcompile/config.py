@@ -27,6 +27,8 @@ DTYPES = ("float32", "float16")
 #: capture traces 3 new tokens over 4 cached ones (capture.example_inputs): a shorter buffer cannot be exported
 MIN_MAX_SEQ = 8
 KV_MODES = ("none", "auto", "file")
+#: weight formats of an ONNX engine: float (the engine's dtype) or onnxruntime's MatMulNBits blocks
+WEIGHT_FORMATS = ("float", "int8", "int4")
 
 
 def _is_int(value: object) -> bool:
@@ -93,6 +95,43 @@ class KVCalibration:
 
     def __str__(self) -> str:
         return str(self.path) if self.path is not None else self.mode
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """Weight-only quantisation of an ONNX engine's matmuls (exporters/quantize.py): ``format`` float keeps
+    the weights in the engine's dtype; int8/int4 store every MatMul weight (and the LM head) in blocks of
+    ``block_size`` input channels, one scale each (symmetric), as onnxruntime's ``MatMulNBits``.
+    ``accuracy_level`` is that op's compute type on CPU: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
+    activations (the fastest on x86, onnxruntime-genai's CPU default)."""
+
+    format: str = "float"
+    block_size: int = 32
+    accuracy_level: int = 4
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS:
+            raise ConfigError(f"{_named('weights', self.format)} is not a weight format: choose one of "
+                              f"{', '.join(WEIGHT_FORMATS)}")
+        if not (_is_int(self.block_size) and 16 <= self.block_size <= 256
+                and self.block_size & (self.block_size - 1) == 0):
+            raise ConfigError(f"{_named('block_size', self.block_size)} is not valid: give a power of two "
+                              "from 16 to 256 (32 is onnxruntime-genai's CPU default)")
+        if not (_is_int(self.accuracy_level) and 0 <= self.accuracy_level <= 4):
+            raise ConfigError(f"{_named('accuracy_level', self.accuracy_level)} is not valid: give 0..4 "
+                              "(4: int8 activations, the fastest on CPU)")
+
+    @property
+    def bits(self) -> int | None:
+        """4 or 8; None for float weights."""
+        return {"int8": 8, "int4": 4}.get(self.format)
+
+    def to_manifest(self) -> dict:
+        """The manifest's ``quantization`` entry: empty for float weights."""
+        if self.bits is None:
+            return {}
+        return {"format": self.format, "op": "com.microsoft.MatMulNBits", "bits": self.bits,
+                "block_size": self.block_size, "accuracy_level": self.accuracy_level, "symmetric": True}
 
 
 def _named(field: str, value: object) -> str:

@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..config import WEIGHT_FORMATS
 from ..engine.manifest import BOUNDARIES
 from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
@@ -40,6 +41,16 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to run)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="float",
+                   help="weight format of the onnx target: float (default: the --dtype), int8 or int4 (onnxruntime's "
+                        "MatMulNBits, weight-only: every matmul weight and the LM head in blocks with one scale "
+                        "each; decode reads 4-8x fewer bytes; quality in docs/results.md)")
+    p.add_argument("--block-size", type=int,
+                   help="with --weights int8/int4: input channels per quantisation block, a power of two 16..256 "
+                        "(default 32; smaller: closer to float, slightly larger weights)")
+    p.add_argument("--accuracy-level", type=int, choices=range(5), metavar="{0..4}",
+                   help="with --weights int8/int4: MatMulNBits' compute type on CPU (default 4: int8 activations, "
+                        "the fastest; 1: float32)")
     p.add_argument("--boundary", choices=BOUNDARIES, default="folded",
                    help="how the last prompt token x_N gets the full model: folded (default: inside the prefill "
                         "graph, which takes x_1..x_N and returns its logits; one call to the first token) or "
@@ -84,8 +95,21 @@ def cmd_export(args) -> None:
 
 
 def _target(args):
+    from ..config import WeightQuantization
+
+    quantized = args.weights != "float" or args.block_size is not None or args.accuracy_level is not None
+    if quantized and args.target != "onnx":
+        raise CliError(f"--weights/--block-size/--accuracy-level quantise onnxruntime engines (MatMulNBits); "
+                       f"--target {args.target} takes float weights: drop them, or use --target onnx")
+    if quantized and args.weights == "float":
+        raise CliError("--block-size and --accuracy-level go with --weights int8 or int4")
     if args.target == "tensorrt":
         return TARGETS["tensorrt"](build_trt.build_config(args))
+    if args.target == "onnx":
+        defaults = WeightQuantization()
+        return TARGETS["onnx"](WeightQuantization(
+            args.weights, defaults.block_size if args.block_size is None else args.block_size,
+            defaults.accuracy_level if args.accuracy_level is None else args.accuracy_level))
     return TARGETS[args.target]()
 
 

@@ -26,7 +26,17 @@ def summary(folder: Path, manifest) -> str:
             f"boundary {manifest.boundary}\n"
             f"KV layout: {layout.num_layers} x [batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
+            f"{_weights(manifest)}"
             f"{_threshold(manifest)}")
+
+
+def _weights(manifest) -> str:
+    """One line: float weights, or how they were quantised."""
+    q = manifest.quantization
+    if not q:
+        return f"weights: {manifest.dtype}\n"
+    return (f"weights: {q.get('format')} ({q.get('op')}, blocks of {q.get('block_size')}, accuracy level "
+            f"{q.get('accuracy_level')}; embedding rows {manifest.dtype})\n")
 
 
 def _threshold(manifest) -> str:

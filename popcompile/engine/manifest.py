@@ -127,6 +127,7 @@ _MANIFEST_FIELDS = {
     "extra": (lambda v: isinstance(v, dict), "an object"),
     "tensorrt": (lambda v: isinstance(v, dict), "an object"),
     "boundary": (lambda v: isinstance(v, str) and v in BOUNDARIES, f"one of {', '.join(BOUNDARIES)}"),
+    "quantization": (lambda v: isinstance(v, dict), "an object"),
 }
 
 
@@ -153,6 +154,9 @@ class EngineManifest:
     # Prompts shorter than this prefill in full (POP gains ~nothing there and costs quality); 0: always POP.
     # Chosen at export (`export --min-prompt-tokens`, docs/prompt_length.md); older manifests read as 0.
     min_prompt_tokens: int = 0
+    # Weight-only quantisation (config.WeightQuantization.to_manifest: format, op, bits, block_size, ...);
+    # empty for float weights and in manifests written before engines could be quantised.
+    quantization: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import io
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,9 +24,12 @@ import onnx
 import torch
 
 from ..calibrate import KVFit
+from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..models import LoadedModel
 from ..pipeline import GraphPair
+from .quantize import quantize_weights
+from .targets import QUANTIZE_STEP
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -36,12 +39,15 @@ _INLINE_BYTES = 1024
 
 
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
-                 step: Callable[[str], None]) -> EngineManifest:
+                 step: Callable[[str], None], quantization: WeightQuantization = WeightQuantization()) -> EngineManifest:
     """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``."""
     step("export decode graph")
     decode = to_onnx(pair.decode, pair, with_logits=True)
     step("export prefill graph")
     prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
+    if quantization.bits is not None:
+        step(QUANTIZE_STEP)
+        decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
     step("write engine folder")
     weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
     for name in ("decode.onnx", "prefill.onnx"):
@@ -49,7 +55,8 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | N
     loaded.tokenizer.save_pretrained(tmp)
     loaded.model.generation_config.save_pretrained(tmp)
     loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
-    manifest = _manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice)
+    manifest = replace(_manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice),
+                       quantization=quantization.to_manifest())
     manifest.write(tmp)
     return manifest
 

@@ -1,6 +1,7 @@
 """Export targets, registered by name: what ``compile(..., target=NAME)`` writes into the staged folder.
 
-    "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime
+    "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime;
+                ``OnnxTarget(WeightQuantization("int4"))``: int8/int4 MatMulNBits weights (exporters/quantize.py)
     "tensorrt"  the same ONNX folder, then prefill.plan + decode.plan built from it (exporters/tensorrt.py);
                 runs on the TensorRT runtime; needs an NVIDIA GPU and the ``tensorrt`` package
     "vllm"      a Hugging Face folder naming a POP class (exporters/vllm.py) that vLLM serves with the
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
+from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
@@ -33,25 +35,35 @@ if TYPE_CHECKING:
 
 Step = Callable[[str], None]
 ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
+QUANTIZE_STEP = "quantize weights"
 
 
 @dataclass(frozen=True)
 class OnnxTarget:
-    """The ONNX engine folder (the default)."""
+    """The ONNX engine folder (the default); ``weights``: float, or int8/int4 MatMulNBits (exporters/quantize.py)."""
 
+    weights: WeightQuantization = field(default_factory=WeightQuantization)
     name = "onnx"
     runtime = "onnxruntime"
-    steps = ONNX_STEPS
     graphs = True
 
+    @property
+    def steps(self) -> tuple[str, ...]:
+        if self.weights.bits is None:
+            return ONNX_STEPS
+        return (*ONNX_STEPS[:2], QUANTIZE_STEP, *ONNX_STEPS[2:])
+
     def preflight(self, config: PopConfig) -> None:
-        """Nothing to check: onnx and onnxruntime are dependencies."""
+        """Quantised weights only over float32 graphs: onnxruntime's CPU kernels run float16 through casts."""
+        if self.weights.bits is not None and config.dtype != "float32":
+            raise ConfigError(f"--weights {self.weights.format} with --dtype {config.dtype}: int8/int4 weights are "
+                              "quantised from float32 graphs: drop --dtype (float32 is the default)")
 
     def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
               cut_choice: dict | None, step: Step) -> EngineManifest:
         from .onnx import write_engine
 
-        return write_engine(folder, loaded, pair, fit, cut_choice, step)
+        return write_engine(folder, loaded, pair, fit, cut_choice, step, self.weights)
 
 
 @dataclass(frozen=True)

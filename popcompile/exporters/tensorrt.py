@@ -177,6 +177,10 @@ def _check_graphs(folder: Path, manifest: EngineManifest) -> dict[str, str]:
     """Both ONNX graphs present and accepted by the TensorRT compatibility check; their sha256."""
     from .tensorrt_compat import check_engine
 
+    if manifest.quantization:
+        raise EngineError(f"{folder} has {manifest.quantization.get('format')} weights (onnxruntime's MatMulNBits), "
+                          "which TensorRT does not take: run it with onnxruntime, or re-export with --weights float "
+                          "for TensorRT")
     shas = {}
     for name, entry in manifest.graphs.items():
         path = folder / entry.file
