@@ -17,11 +17,12 @@ import pytest
 from onnx import helper, numpy_helper
 
 from popcompile.config import WeightQuantization
-from popcompile.driver import compile as compile_model
+from popcompile.driver import compile as compile_model, steps
 from popcompile.config import PopConfig
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.quantize import op_counts, quantize_weights, untie_gemm_heads
+from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.models import LoadedModel, ModelSource
@@ -47,10 +48,13 @@ def engines(request, tmp_path_factory) -> dict[str, Path]:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     loaded = LoadedModel(model, tokenizer, ModelSource(name="tiny", kind="folder", path="tiny", sha256=None))
     config = PopConfig(cut=CUT, max_seq=64, kv_calibration="none", min_prompt_tokens=0)
-    folders = {}
+    folders, reported = {}, {}
     for fmt in ("float", "int8", "int4"):
-        folders[fmt] = root / fmt
-        compile_model(loaded, config, out=folders[fmt], target=OnnxTarget(WeightQuantization(fmt, block_size=16)))
+        folders[fmt], reported[fmt] = root / fmt, []
+        target = OnnxTarget(WeightQuantization(fmt, block_size=16))
+        compile_model(loaded, config, out=folders[fmt], target=target, progress=reported[fmt].append)
+        assert reported[fmt] == steps(config, target)  # what a progress bar counts is what runs
+    assert QUANTIZE_STEP in reported["int4"] and QUANTIZE_STEP not in reported["float"]
     return folders
 
 

@@ -29,7 +29,7 @@ from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..models import LoadedModel
 from ..pipeline import GraphPair
 from .quantize import quantize_weights
-from .targets import QUANTIZE_STEP
+from .steps import ONNX_STEPS, QUANTIZE_STEP
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -41,14 +41,14 @@ _INLINE_BYTES = 1024
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
                  step: Callable[[str], None], quantization: WeightQuantization = WeightQuantization()) -> EngineManifest:
     """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``."""
-    step("export decode graph")
+    step(ONNX_STEPS[0])
     decode = to_onnx(pair.decode, pair, with_logits=True)
-    step("export prefill graph")
+    step(ONNX_STEPS[1])
     prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
     if quantization.bits is not None:
         step(QUANTIZE_STEP)
         decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
-    step("write engine folder")
+    step(ONNX_STEPS[2])
     weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
     for name in ("decode.onnx", "prefill.onnx"):
         onnx.checker.check_model(str(tmp / name))

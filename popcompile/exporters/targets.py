@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Union
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
+from .steps import ONNX_STEPS, QUANTIZE_STEP
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
 
 VLLM_WRITE_STEP = "write vLLM folder"
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
     from ..pipeline import GraphPair
 
 Step = Callable[[str], None]
-ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
-QUANTIZE_STEP = "quantize weights"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,5 @@
+"""The progress-step names the ONNX writer reports, shared by the writer (onnx.py) and the targets that
+count them for a progress bar (targets.py), so that neither imports the other."""
+
+ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
+QUANTIZE_STEP = "quantize weights"   # between the exports and the write, with --weights int8/int4
