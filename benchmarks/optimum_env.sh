@@ -24,16 +24,7 @@ COPY=${COPY:-/tmp/optimum-smollm2-hf}
 OUT=${OUT:-$HOME/.cache/popcompile/bench-engines/optimum-smollm2}
 TORCH=2.13.0
 
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV"
-fi
-PY="$VENV/bin/python"
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
-
-if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" 2>/dev/null; then
-    "${PIP[@]}" "torch==$TORCH"
-fi
-echo "torch==$("$PY" -c 'import torch; print(torch.__version__)')" > "$VENV/torch-pin.txt"
+source "$(dirname "$0")/venv_torch.sh"   # $VENV with torch $TORCH pinned; sets PY and PIP
 # torch pinned by constraint: optimum asks only torch>=1.11, which the installed one satisfies.
 "${PIP[@]}" -c "$VENV/torch-pin.txt" "transformers>=4.57,<4.58" "optimum~=2.1.0" "optimum-onnx==0.1.0" \
     onnx onnxruntime onnxscript
