@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from popcompile.driver import compile as compile_model, steps
 from popcompile.config import PopConfig
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
-from popcompile.exporters.quantize import op_counts, quantize_weights, untie_gemm_heads
+from popcompile.exporters.quantize import quantize_weights, untie_gemm_heads
 from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
@@ -60,6 +61,10 @@ def engines(request, tmp_path_factory) -> dict[str, Path]:
 
 def _graph(folder: Path, name: str) -> onnx.ModelProto:
     return onnx.load(str(folder / f"{name}.onnx"), load_external_data=False)
+
+
+def op_counts(proto: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in proto.graph.node)
 
 
 def _constant_matmuls(proto: onnx.ModelProto) -> int:

@@ -106,10 +106,8 @@ def _target(args):
     if args.target == "tensorrt":
         return TARGETS["tensorrt"](build_trt.build_config(args))
     if args.target == "onnx":
-        defaults = WeightQuantization()
-        return TARGETS["onnx"](WeightQuantization(
-            args.weights, defaults.block_size if args.block_size is None else args.block_size,
-            defaults.accuracy_level if args.accuracy_level is None else args.accuracy_level))
+        given = {"block_size": args.block_size, "accuracy_level": args.accuracy_level}
+        return TARGETS["onnx"](WeightQuantization(args.weights, **{k: v for k, v in given.items() if v is not None}))
     return TARGETS[args.target]()
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -79,11 +78,6 @@ def _plain_gemm(node: onnx.NodeProto, weights: dict[str, onnx.TensorProto]) -> b
     return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0
             and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
             and weights[node.input[1]].data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16))
-
-
-def op_counts(proto: onnx.ModelProto) -> Counter:
-    """Node count by op type (what a quantised graph is checked with)."""
-    return Counter(node.op_type for node in proto.graph.node)
 
 
 def _import_quantizer():
