@@ -29,6 +29,9 @@ MIN_MAX_SEQ = 8
 KV_MODES = ("none", "auto", "file")
 #: weight formats of an ONNX engine: float (the engine's dtype) or onnxruntime's MatMulNBits blocks
 WEIGHT_FORMATS = ("float", "int8", "int4")
+#: how an onnx engine's attention is lowered: onnxruntime's fused contrib ops, standard ONNX ops (any runtime), or
+#: auto: fused for float32 graphs, standard for float16 ones (there the fusions leave mixed-type norms)
+ATTENTION_LOWERINGS = ("auto", "fused", "standard")
 
 
 def _is_int(value: object) -> bool:

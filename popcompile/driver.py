@@ -163,8 +163,8 @@ def cast_weights(weights: KVWeights, dtype: str) -> KVWeights:
 
 
 def export(model: str | Path | LoadedModel, out_dir: str | Path, *, force: bool = False,
-           progress: Callable[[str], None] | None = None, **config) -> EngineManifest:
-    """``compile(model, PopConfig(**config), out=out_dir)`` to ONNX: the keyword form of the driver
+           progress: Callable[[str], None] | None = None, target: str | Target = "onnx", **config) -> EngineManifest:
+    """``compile(model, PopConfig(**config), out=out_dir, target=target)``: the keyword form of the driver
     (``cut``, ``prune_ratio``, ``boundary``, ``kv_calibration``, ``dtype``, ``max_seq``, ``min_prompt_tokens``,
     ``cut_choice``: PopConfig's fields)."""
-    return compile(model, PopConfig(**config), out=out_dir, force=force, progress=progress)
+    return compile(model, PopConfig(**config), out=out_dir, force=force, progress=progress, target=target)

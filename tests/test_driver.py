@@ -105,7 +105,7 @@ def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_
     seen: list[str] = []
     manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
     assert seen == steps(config) == ["load", "calibrate", "capture", "POP pass", "export decode graph",
-                                     "export prefill graph", "write engine folder"]
+                                     "export prefill graph", "fuse attention for onnxruntime", "write engine folder"]
     on_disk = EngineManifest.read(tmp_path / "engine")
     assert on_disk == manifest and manifest.cut == 4 and manifest.kv_layout.max_seq == 64
     assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}

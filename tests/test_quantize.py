@@ -22,6 +22,7 @@ from popcompile.driver import compile as compile_model, steps
 from popcompile.config import PopConfig
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
+from popcompile.exporters.ort_attention import GQA, MHA
 from popcompile.exporters.quantize import quantize_weights, untie_gemm_heads
 from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
@@ -94,10 +95,13 @@ def test_every_constant_weight_matmul_becomes_matmulnbits(engines):
             bits = {helper.get_attribute_value(a) for n in graph.graph.node if n.op_type == "MatMulNBits"
                     for a in n.attribute if a.name == "bits"}
             assert bits == {4 if fmt == "int4" else 8}
-            # attention's activation-by-activation products (Q.K^T, P.V) stay float MatMuls
+            # attention's activation-by-activation products (Q.K^T, P.V) stay float, inside the fused
+            # attention ops (exporters/ort_attention.py); no other MatMul is left
             activation_products = op_counts(float_graph)["MatMul"] + op_counts(float_graph)["Gemm"] \
                 - _constant_matmuls(float_graph)
-            assert op_counts(graph)["MatMul"] == activation_products > 0
+            assert op_counts(graph)["MatMul"] == activation_products == 0
+            attention = {op: op_counts(graph)[op] for op in (GQA, MHA)}
+            assert attention == {op: op_counts(float_graph)[op] for op in (GQA, MHA)} and sum(attention.values()) == LAYERS
 
 
 def test_weights_file_shrinks_and_the_manifest_records_the_format(engines):

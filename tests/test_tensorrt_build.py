@@ -24,6 +24,7 @@ import pytest
 
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
+from popcompile.exporters.targets import OnnxTarget
 from popcompile.driver import export
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
 from popcompile.models import LoadedModel, ModelSource
@@ -42,7 +43,8 @@ def _engine(model_type: str, out: Path, boundary: str = "folded", **model_kwargs
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48,
-           kv_calibration="none", boundary=boundary, min_prompt_tokens=0)
+           kv_calibration="none", boundary=boundary, min_prompt_tokens=0,
+           target=OnnxTarget(attention="standard"))  # TensorRT takes standard ops only
     return out
 
 

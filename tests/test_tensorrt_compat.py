@@ -14,6 +14,7 @@ from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
 from popcompile.exporters.tensorrt_compat import (
     CompatReport, Finding, check_engine, check_model, dynamic_dims, format_table, support_matrix,
 )
+from popcompile.exporters.targets import OnnxTarget
 from tiny_engine import tiny_engine
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
@@ -175,7 +176,8 @@ def test_dynamic_dims():
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
 def engine(request, tmp_path_factory):
-    return tiny_engine(request.param, tmp_path_factory.mktemp("trt") / request.param)
+    return tiny_engine(request.param, tmp_path_factory.mktemp("trt") / request.param,
+                       target=OnnxTarget(attention="standard"))  # what the tensorrt target writes
 
 
 def test_real_engine_passes(engine):

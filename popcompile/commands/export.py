@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import WEIGHT_FORMATS
+from ..config import ATTENTION_LOWERINGS, WEIGHT_FORMATS
 from ..engine.manifest import BOUNDARIES
 from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
@@ -51,6 +51,11 @@ def register(sub) -> None:
     p.add_argument("--accuracy-level", type=int, choices=range(5), metavar="{0..4}",
                    help="with --weights int8/int4: MatMulNBits' compute type on CPU (default 4: int8 activations, "
                         "the fastest; 1: float32)")
+    p.add_argument("--attention", choices=ATTENTION_LOWERINGS,
+                   help="attention in the onnx target's graphs: auto (default: fused for float32, standard for "
+                        "float16), fused (onnxruntime's GroupQueryAttention and fused RMSNorm: faster prefill and "
+                        "decode on CPU, docs/benchmarks.md) or standard (plain ONNX ops, for other runtimes and "
+                        "`build-trt`; --target tensorrt always uses them)")
     p.add_argument("--boundary", choices=BOUNDARIES, default="folded",
                    help="how the last prompt token x_N gets the full model: folded (default: inside the prefill "
                         "graph, which takes x_1..x_N and returns its logits; one call to the first token) or "
@@ -103,11 +108,16 @@ def _target(args):
                        f"--target {args.target} takes float weights: drop them, or use --target onnx")
     if quantized and args.weights == "float":
         raise CliError("--block-size and --accuracy-level go with --weights int8 or int4")
+    if args.attention is not None and args.target != "onnx":
+        raise CliError(f"--attention {args.attention} lowers the onnx target's graphs; --target {args.target} "
+                       f"{'always takes standard ONNX ops' if args.target == 'tensorrt' else 'has no graphs'}: "
+                       "drop --attention")
     if args.target == "tensorrt":
         return TARGETS["tensorrt"](build_trt.build_config(args))
     if args.target == "onnx":
         given = {"block_size": args.block_size, "accuracy_level": args.accuracy_level}
-        return TARGETS["onnx"](WeightQuantization(args.weights, **{k: v for k, v in given.items() if v is not None}))
+        weights = WeightQuantization(args.weights, **{k: v for k, v in given.items() if v is not None})
+        return TARGETS["onnx"](weights, **({"attention": args.attention} if args.attention else {}))
     return TARGETS[args.target]()
 
 

@@ -27,6 +27,7 @@ def summary(folder: Path, manifest) -> str:
             f"KV layout: {layout.num_layers} x [batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
             f"{_weights(manifest)}"
+            f"{_attention(manifest)}"
             f"{_threshold(manifest)}")
 
 
@@ -37,6 +38,16 @@ def _weights(manifest) -> str:
         return f"weights: {manifest.dtype}\n"
     return (f"weights: {q.get('format')} ({q.get('op')}, blocks of {q.get('block_size')}, accuracy level "
             f"{q.get('accuracy_level')}; embedding rows {manifest.dtype})\n")
+
+
+def _attention(manifest) -> str:
+    """One line: standard ONNX ops, or which layers run onnxruntime's fused attention."""
+    layers = manifest.attention.get("layers")
+    if not isinstance(layers, dict):
+        return "attention: standard ONNX ops\n"
+    forms = "; ".join(f"{graph}: " + ", ".join(f"{count} {form}" for form, count in sorted(counts.items()) if count)
+                      for graph, counts in sorted(layers.items()) if isinstance(counts, dict))
+    return f"attention: onnxruntime fused ops (layers per graph, {forms})\n"
 
 
 def _threshold(manifest) -> str:

@@ -128,6 +128,8 @@ _MANIFEST_FIELDS = {
     "tensorrt": (lambda v: isinstance(v, dict), "an object"),
     "boundary": (lambda v: isinstance(v, str) and v in BOUNDARIES, f"one of {', '.join(BOUNDARIES)}"),
     "quantization": (lambda v: isinstance(v, dict), "an object"),
+    "attention": (lambda v: isinstance(v, dict) and v.get("lowering", "onnxruntime") == "onnxruntime",
+                  "an object whose lowering is onnxruntime (or empty: standard ONNX ops)"),
 }
 
 
@@ -157,6 +159,10 @@ class EngineManifest:
     # Weight-only quantisation (config.WeightQuantization.to_manifest: format, op, bits, block_size, ...);
     # empty for float weights and in manifests written before engines could be quantised.
     quantization: dict = field(default_factory=dict)
+    # Attention lowered to onnxruntime's contrib ops (exporters/ort_attention.py: lowering, ops, and per graph the
+    # layers in GroupQueryAttention / MultiHeadAttention / standard ops); empty: standard ONNX ops, which any
+    # runtime takes (the tensorrt target's, and manifests written before attention was fused).
+    attention: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \

@@ -28,8 +28,9 @@ from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..models import LoadedModel
 from ..pipeline import GraphPair
+from .ort_attention import lower_for_ort
 from .quantize import quantize_weights
-from .steps import ONNX_STEPS, QUANTIZE_STEP
+from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -39,24 +40,34 @@ _INLINE_BYTES = 1024
 
 
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
-                 step: Callable[[str], None], quantization: WeightQuantization = WeightQuantization()) -> EngineManifest:
-    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``."""
+                 step: Callable[[str], None], quantization: WeightQuantization = WeightQuantization(),
+                 attention: str = "standard", report_fuse: bool = False) -> EngineManifest:
+    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``;
+    ``attention="fused"``: norms and attention as onnxruntime's contrib ops (exporters/ort_attention.py).
+    ``report_fuse``: report FUSE_STEP even when it keeps standard ops (attention="auto" on float16 graphs)."""
     step(ONNX_STEPS[0])
     decode = to_onnx(pair.decode, pair, with_logits=True)
     step(ONNX_STEPS[1])
     prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
+    lowering = {}
+    if attention == "fused" or report_fuse:
+        step(FUSE_STEP)
+    if attention == "fused":
+        (decode, lowering["decode"]), (prefill, lowering["prefill"]) = (
+            lower_for_ort(proto, pair.num_layers) for proto in (decode, prefill))
     if quantization.bits is not None:
         step(QUANTIZE_STEP)
         decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
     step(ONNX_STEPS[2])
     weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
-    for name in ("decode.onnx", "prefill.onnx"):
-        onnx.checker.check_model(str(tmp / name))
+    if not lowering:  # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
+        for name in ("decode.onnx", "prefill.onnx"):
+            onnx.checker.check_model(str(tmp / name))
     loaded.tokenizer.save_pretrained(tmp)
     loaded.model.generation_config.save_pretrained(tmp)
     loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
     manifest = replace(_manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice),
-                       quantization=quantization.to_manifest())
+                       quantization=quantization.to_manifest(), attention=_attention_entry(lowering))
     manifest.write(tmp)
     return manifest
 
@@ -147,6 +158,14 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         boundary=pair.boundary,
     )
+
+
+def _attention_entry(lowering: dict[str, dict[str, int]]) -> dict:
+    """The manifest's ``attention`` entry: empty for standard ops; else the ops and the layers per form."""
+    if not lowering:
+        return {}
+    return {"lowering": "onnxruntime", "ops": ["com.microsoft.GroupQueryAttention",
+                                               "com.microsoft.MultiHeadAttention"], "layers": lowering}
 
 
 def _versions() -> dict[str, str]:

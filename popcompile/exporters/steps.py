@@ -2,4 +2,5 @@
 count them for a progress bar (targets.py), so that neither imports the other."""
 
 ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
-QUANTIZE_STEP = "quantize weights"   # between the exports and the write, with --weights int8/int4
+FUSE_STEP = "fuse attention for onnxruntime"  # after the exports, with attention="fused" (the onnx target's default)
+QUANTIZE_STEP = "quantize weights"   # then, with --weights int8/int4

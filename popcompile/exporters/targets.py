@@ -1,6 +1,8 @@
 """Export targets, registered by name: what ``compile(..., target=NAME)`` writes into the staged folder.
 
     "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime;
+                attention and norms fused into its contrib ops (exporters/ort_attention.py) unless
+                ``OnnxTarget(attention="standard")``;
                 ``OnnxTarget(WeightQuantization("int4"))``: int8/int4 MatMulNBits weights (exporters/quantize.py)
     "tensorrt"  the same ONNX folder, then prefill.plan + decode.plan built from it (exporters/tensorrt.py);
                 runs on the TensorRT runtime; needs an NVIDIA GPU and the ``tensorrt`` package
@@ -19,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
-from ..config import WeightQuantization
+from ..config import ATTENTION_LOWERINGS, WeightQuantization
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
-from .steps import ONNX_STEPS, QUANTIZE_STEP
+from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
 
 VLLM_WRITE_STEP = "write vLLM folder"
@@ -39,21 +41,39 @@ Step = Callable[[str], None]
 
 @dataclass(frozen=True)
 class OnnxTarget:
-    """The ONNX engine folder (the default); ``weights``: float, or int8/int4 MatMulNBits (exporters/quantize.py)."""
+    """The ONNX engine folder (the default); ``weights``: float, or int8/int4 MatMulNBits (exporters/quantize.py);
+    ``attention``: fused (onnxruntime's GroupQueryAttention and fused norms, exporters/ort_attention.py),
+    standard (plain ONNX ops, which other runtimes and ``build-trt`` take) or auto (the default: fused for
+    float32 graphs, standard for float16 ones, where onnxscript's fusions leave norms of mixed types)."""
 
     weights: WeightQuantization = field(default_factory=WeightQuantization)
+    attention: str = "auto"
     name = "onnx"
     runtime = "onnxruntime"
     graphs = True
 
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_LOWERINGS:
+            raise ConfigError(f"--attention {self.attention!r} (attention={self.attention!r}) is not an attention "
+                              f"lowering: choose one of {', '.join(ATTENTION_LOWERINGS)}")
+
     @property
     def steps(self) -> tuple[str, ...]:
-        if self.weights.bits is None:
-            return ONNX_STEPS
-        return (*ONNX_STEPS[:2], QUANTIZE_STEP, *ONNX_STEPS[2:])
+        optional = (FUSE_STEP,) * (self.attention != "standard") + (QUANTIZE_STEP,) * (self.weights.bits is not None)
+        return (*ONNX_STEPS[:2], *optional, *ONNX_STEPS[2:])
+
+    def lowering(self, dtype: str) -> str:
+        """fused or standard, for graphs of ``dtype``."""
+        if self.attention == "auto":
+            return "fused" if dtype == "float32" else "standard"
+        return self.attention
 
     def preflight(self, config: PopConfig) -> None:
-        """Quantised weights only over float32 graphs: onnxruntime's CPU kernels run float16 through casts."""
+        """Quantised weights and fused attention only over float32 graphs: onnxruntime's CPU kernels run float16
+        through casts, and the fusions give float16 graphs norms of mixed types that do not load."""
+        if self.attention == "fused" and config.dtype != "float32":
+            raise ConfigError(f"--attention fused with --dtype {config.dtype}: onnxruntime's fused attention is "
+                              "written for float32 graphs: drop --attention (auto keeps float16 graphs standard)")
         if self.weights.bits is not None and config.dtype != "float32":
             raise ConfigError(f"--weights {self.weights.format} with --dtype {config.dtype}: int8/int4 weights are "
                               "quantised from float32 graphs: drop --dtype (float32 is the default)")
@@ -62,7 +82,8 @@ class OnnxTarget:
               cut_choice: dict | None, step: Step) -> EngineManifest:
         from .onnx import write_engine
 
-        return write_engine(folder, loaded, pair, fit, cut_choice, step, self.weights)
+        return write_engine(folder, loaded, pair, fit, cut_choice, step, self.weights,
+                            self.lowering(pair.layout.dtype), report_fuse=self.attention != "standard")
 
 
 @dataclass(frozen=True)
@@ -84,7 +105,7 @@ class TensorRTTarget:
               cut_choice: dict | None, step: Step) -> EngineManifest:
         from .tensorrt import build_engines
 
-        OnnxTarget().write(folder, loaded, cut, pair, fit, cut_choice, step)
+        OnnxTarget(attention="standard").write(folder, loaded, cut, pair, fit, cut_choice, step)
         build_engines(folder, self.build, progress=step, force=True)
         return EngineManifest.read(folder)
 

@@ -181,6 +181,10 @@ def _check_graphs(folder: Path, manifest: EngineManifest) -> dict[str, str]:
         raise EngineError(f"{folder} has {manifest.quantization.get('format')} weights (onnxruntime's MatMulNBits), "
                           "which TensorRT does not take: run it with onnxruntime, or re-export with --weights float "
                           "for TensorRT")
+    if manifest.attention:
+        raise EngineError(f"{folder} has attention fused into onnxruntime's contrib ops (GroupQueryAttention), which "
+                          "TensorRT does not take: run it with onnxruntime, or re-export with --target tensorrt "
+                          "(or --attention standard, i.e. OnnxTarget(attention=standard)) for TensorRT")
     shas = {}
     for name, entry in manifest.graphs.items():
         path = folder / entry.file
