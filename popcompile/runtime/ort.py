@@ -83,6 +83,7 @@ class BoundBackend:
         logits = sessions["decode"].get_outputs()[0]
         self.logits_dtype = _NUMPY_TYPES[logits.type]
         self.vocab = logits.shape[1] if isinstance(logits.shape[1], int) else None
+        self.after_prefill = _shrink_arena_options(sessions["decode"])
 
     def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
         session = self.sessions[graph]
@@ -100,10 +101,21 @@ class BoundBackend:
             binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         elif with_logits:
             binding.bind_output("logits", "cpu")
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, self.after_prefill if steps > 1 else None)
         if with_logits and logits is None:
             logits = binding.get_outputs()[0].numpy()
         return logits, present
+
+
+def _shrink_arena_options(session: ort.InferenceSession) -> ort.RunOptions | None:
+    """Run options that hand the CPU arena's free chunks back after a run: a prefill of thousands of tokens
+    grows the arena by hundreds of MB, and decode steps that then run inside the fragmented arena were 1.3-1.6x
+    slower (docs/benchmarks.md). None on other providers (not measured there)."""
+    if session.get_providers()[0] != "CPUExecutionProvider":
+        return None
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
 
 
 class PopSession(Session):
