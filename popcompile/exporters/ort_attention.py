@@ -8,7 +8,7 @@ query head.
 
 Step 2, here (``mha_to_gqa``): each MultiHeadAttention whose key and value are repeated from
 ``Concat(past, new)`` and whose query has as many tokens as ``new`` becomes ``GroupQueryAttention``, which
-reads the past and the new rows per KV head (no Concat, no repeat, no copy of K):
+reads the past and the new rows per KV head (no repeat per query head, no transposed copy of K):
 
     before   past_k [B,Hkv,P,D] ─┐
              k_new  [B,Hkv,T,D] ─┴ Concat ─ Unsqueeze/Expand/Reshape (x H/Hkv) ─ Transpose/Reshape [B,P+T,H*D] ─┐
@@ -18,7 +18,8 @@ reads the past and the new rows per KV head (no Concat, no repeat, no copy of K)
 
 The mask stays the graph's own additive bias (padding, causality, Gemma 3's sliding windows), so GQA's
 causal rule only repeats it. The KV contract is unchanged: ``present.i.key`` (the new rows) is still the
-output and the past still an input; GQA's own concatenated present is unused. A layer whose query has
+output and the past still an input. GQA still writes its own concatenated present (one copy of the past
+per step, unused: decode on a shared buffer is what would remove it). A layer whose query has
 fewer tokens than its new K/V (the prefill graph's pruned layers: only the last token attends over all N)
 keeps MultiHeadAttention, which takes unequal lengths; a layer no fusion matched keeps standard ops.
 ``lower_for_ort`` returns the graph and how many layers took each form, for the manifest.
