@@ -276,6 +276,29 @@ def test_kv_buffer_with_one_kv_head_lets_graphs_read_and_write_the_cache_in_plac
     assert all(np.shares_memory(p, buffer.data) and p.shape == (1, 1, 6, 4) for p in past)
 
 
+def test_kv_buffer_shared_binds_the_cache_itself_and_write_copies_nothing():
+    """A buffer-sharing graph (manifest attention.shared_kv) gets each layer's whole cache rows; the rows it
+    writes are the cache's, so ``write`` only moves the length and the mask, and staging is never claimed."""
+    layout, rng = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, max_seq=16), np.random.default_rng(2)
+    buffer = KVBuffer(layout, batch=3)
+    for steps in (1, 4, 1):  # a one-token prompt, a chat turn after it, a decode step
+        whole, new = buffer.shared(2, steps)
+        assert all(w.shape == (2, 2, 16, 4) and w.flags.c_contiguous and np.shares_memory(w, buffer.data)
+                   for w in whole)
+        start, rows = buffer.length, _rows(rng, 2, layout, steps)
+        for view, value in zip(new, rows):  # what the graph does: its new rows at length..length+steps-1
+            view[...] = value
+        data = buffer.data.copy()
+        buffer.write(new, np.ones((2, steps), np.int64))
+        np.testing.assert_array_equal(buffer.data, data)
+        np.testing.assert_array_equal(buffer.data[1, 0, :2, :, start:start + steps], rows[2])
+    for got, want in zip(buffer.past(2), buffer.data.reshape(4, 3, 2, 16, 4)):  # gathered, not stale staging
+        np.testing.assert_array_equal(got, want[:2, :, :6])
+    buffer.shared(1, 10)
+    with pytest.raises(InputError, match="KV buffer full"):
+        buffer.shared(1, 11)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_engine(tmp_path_factory) -> Path:
     return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama", cut=3, max_seq=64)

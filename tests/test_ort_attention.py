@@ -18,9 +18,12 @@ from popcompile.arch import ARCHITECTURES
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort
+from popcompile.exporters.ort_shared_kv import PRESENT_DIM, share_kv_buffer
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
+from popcompile.runtime.generate import SamplingConfig
+from popcompile.runtime.ort import PopSession
 from tiny_engine import tiny_engine
 
 LAYERS, CUT = 4, 3
@@ -39,6 +42,10 @@ def graphs(request, tmp_path_factory) -> dict:
         standard = _session(proto)  # before the lowering, which consumes ``proto``
         fused, out["forms"][name] = lower_for_ort(proto, LAYERS)
         out[name] = {"standard": standard, "fused": _session(fused), "proto": fused}
+        shared = onnx.ModelProto()
+        shared.CopyFrom(fused)
+        if share_kv_buffer(shared, out["manifest"].kv_layout):
+            out[name]["shared"] = _session(shared)
     return out
 
 
@@ -80,6 +87,69 @@ def test_fused_graphs_equal_standard(graphs, graph, case):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=name)
 
 
+def _bound_run(session: ort.InferenceSession, feeds: dict, buffer: np.ndarray, batch: int) -> np.ndarray:
+    """Run with every layer's buffer rows buffer[l, kind, :batch] bound as both its past and its present."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if not name.startswith("past_"):
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("logits", "cpu")
+    for layer in range(LAYERS):
+        for kind, part in (("key", 0), ("value", 1)):
+            rows = ort.OrtValue.ortvalue_from_numpy(buffer[layer, part, :batch])
+            binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", rows)
+            binding.bind_ortvalue_output(f"present.{layer}.{kind}", rows)
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_graph_reads_and_writes_the_kv_buffer_in_place(graphs, case):
+    """The shared decode graph (exporters/ort_shared_kv.py) bound to a max_seq buffer: the standard graph's logits
+    and new rows, written at past..past+T-1; rows before (the past) and after (never written: filled with 1e3
+    here, so a read of them would show) are left as they were."""
+    batch, past, seq, pad = CASES[case]
+    feeds, layout = _feeds(graphs["manifest"], *CASES[case]), graphs["manifest"].kv_layout
+    want = graphs["decode"]["standard"].run(None, feeds)
+    buffer = np.full((LAYERS, 2, batch + 1, layout.num_kv_heads, layout.max_seq, layout.head_dim), 1e3, np.float32)
+    for index, name in enumerate(layout.past_names):
+        buffer[index // 2, index % 2, :batch, :, :past] = feeds[name]
+    before = buffer.copy()
+    logits = _bound_run(graphs["decode"]["shared"], feeds, buffer, batch)
+    np.testing.assert_allclose(logits, want[0], atol=ATOL, rtol=0)
+    for index, rows in enumerate(want[1:]):
+        np.testing.assert_allclose(buffer[index // 2, index % 2, :batch, :, past:past + seq], rows, atol=ATOL, rtol=0)
+    written = np.zeros(buffer.shape, bool)
+    written[:, :, :batch, :, past:past + seq] = True
+    np.testing.assert_array_equal(buffer[~written], before[~written])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shared_decode_graph_given_exactly_the_past_returns_past_and_new_rows(graphs, case):
+    """Unbound (a first prompt, the plain-run backend): present.i.* is the past followed by the new rows."""
+    batch, past, seq, pad = CASES[case]
+    feeds = _feeds(graphs["manifest"], *CASES[case])
+    want = graphs["decode"]["standard"].run(None, feeds)
+    got = graphs["decode"]["shared"].run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0], atol=ATOL, rtol=0)
+    for name, rows, whole in zip(graphs["manifest"].kv_layout.past_names, want[1:], got[1:]):
+        assert whole.shape[2] == past + seq
+        np.testing.assert_array_equal(whole[:, :, :past], feeds[name])
+        np.testing.assert_allclose(whole[:, :, past:], rows, atol=ATOL, rtol=0)
+
+
+def test_only_graphs_whose_every_layer_is_gqa_share_the_buffer(graphs):
+    """decode shares (its presents are declared [batch, kv_heads, present, head_dim]); the prefill graph's pruned
+    layers are MultiHeadAttention, so it keeps the new-rows contract and is left untouched."""
+    assert "shared" in graphs["decode"] and "shared" not in graphs["prefill"]
+    outputs = {o.name: o.shape for o in graphs["decode"]["shared"].get_outputs()}
+    assert outputs["present.0.key"][2] == PRESENT_DIM
+    proto = graphs["prefill"]["proto"]
+    before = proto.SerializeToString()
+    assert not share_kv_buffer(proto, graphs["manifest"].kv_layout)
+    assert proto.SerializeToString() == before
+
+
 def test_every_layer_takes_a_fused_form(graphs):
     """decode: every layer GQA; prefill (folded): layers below the cut GQA, the pruned ones MHA (only the last
     token's query over all N rows, unequal lengths GQA does not take)."""
@@ -96,12 +166,15 @@ def test_export_fuses_by_default_and_records_it(tmp_path):
     manifest = EngineManifest.read(folder)
     assert manifest.attention["lowering"] == "onnxruntime"
     assert manifest.attention["layers"]["decode"] == {GQA: LAYERS, MHA: 0, "standard": 0}
+    assert manifest.shares_kv("decode") and not manifest.shares_kv("prefill")
+    assert manifest.format_version == 3  # a version-2 runtime would bind the shared decode graph wrongly
     with pytest.raises(EngineError, match="attention=standard"):
         build_engines(folder)
     data = json.loads((folder / "popcompile.json").read_text())
-    data["attention"] = {"lowering": "tensorrt-plugin"}
-    with pytest.raises(EngineError, match="attention"):
-        EngineManifest.from_dict(data, folder)
+    for bad in ({"lowering": "tensorrt-plugin"}, {**data["attention"], "shared_kv": ["encoder"]},
+                {**data["attention"], "shared_kv": "decode"}):
+        with pytest.raises(EngineError, match="attention"):
+            EngineManifest.from_dict({**data, "attention": bad}, folder)
 
 
 def test_attention_lowering_is_validated():
@@ -115,3 +188,27 @@ def test_auto_keeps_float16_graphs_standard_and_fused_float16_is_refused(tmp_pat
     assert OnnxTarget().lowering("float32") == "fused" and OnnxTarget().lowering("float16") == "standard"
     with pytest.raises(ConfigError, match="--attention fused with --dtype float16"):
         OnnxTarget(attention="fused").preflight(PopConfig(dtype="float16"))
+
+
+@pytest.fixture(scope="module")
+def engine_pair(tmp_path_factory) -> dict[str, Path]:
+    """A fused and a standard-op engine of the same tiny model."""
+    out = tmp_path_factory.mktemp("pair")
+    return {attention: tiny_engine("qwen3", out / attention, cut=CUT, max_seq=64, target=OnnxTarget(attention=attention))
+            for attention in ("fused", "standard")}
+
+
+@pytest.mark.parametrize("io_binding", [True, False])
+def test_fused_engine_samples_what_the_standard_engine_samples(engine_pair, io_binding):
+    """End to end through PopSession, a fused engine (decode on the shared buffer) against a standard-op engine of
+    the same model: sampled tokens (seeded, temperature 1: they follow small logit changes, unlike the tiny
+    model's greedy repeats) for POP and full prefill, a left-padded batch and a one-token prompt."""
+    fused = PopSession(engine_pair["fused"], io_binding=io_binding)
+    standard = PopSession(engine_pair["standard"])
+    assert fused.manifest.shares_kv("decode") and not standard.manifest.shares_kv("decode")
+    sampling = SamplingConfig(greedy=False, temperature=1.0, seed=7, max_new_tokens=24)
+    for prompts in ([[5, 9, 12, 40, 41, 7, 3, 88, 19, 4, 60], [61, 3, 70]], [[11]]):
+        for mode in ("pop", "full"):
+            want = [r.token_ids for r in standard.generate(prompts, sampling, mode=mode)]
+            assert [r.token_ids for r in fused.generate(prompts, sampling, mode=mode)] == want
+            assert len(set(want[0])) > 4  # sampled, not one repeated token

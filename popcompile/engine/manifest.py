@@ -18,9 +18,10 @@ from .vllm_folder import is_vllm_folder
 
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"
-FORMAT_VERSION = 2
-#: versions this popcompile reads: 1 (before ``boundary``: always "separate") and 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: versions this popcompile reads: 1 (before ``boundary``: always "separate"), 2, and 3 (``attention.shared_kv``:
+#: a graph may read and write the KV buffer in place; a version-2 runtime would bind it wrongly, so it refuses 3)
+READABLE_VERSIONS = (1, 2, 3)
 #: how POP's boundary token x_N reaches the full model (docs/kv.md):
 #:   folded    the prefill graph takes x_1..x_N, runs x_N alone through the deep layers and returns its logits
 #:   separate  the prefill graph takes x_1..x_{N-1}; the decode graph runs x_N over their rows
@@ -128,8 +129,10 @@ _MANIFEST_FIELDS = {
     "tensorrt": (lambda v: isinstance(v, dict), "an object"),
     "boundary": (lambda v: isinstance(v, str) and v in BOUNDARIES, f"one of {', '.join(BOUNDARIES)}"),
     "quantization": (lambda v: isinstance(v, dict), "an object"),
-    "attention": (lambda v: isinstance(v, dict) and v.get("lowering", "onnxruntime") == "onnxruntime",
-                  "an object whose lowering is onnxruntime (or empty: standard ONNX ops)"),
+    "attention": (lambda v: isinstance(v, dict) and v.get("lowering", "onnxruntime") == "onnxruntime"
+                  and isinstance(v.get("shared_kv", []), list) and set(v.get("shared_kv", [])) <= set(GRAPHS),
+                  "an object whose lowering is onnxruntime and whose shared_kv lists graphs (or empty: standard "
+                  "ONNX ops)"),
 }
 
 
@@ -161,7 +164,8 @@ class EngineManifest:
     quantization: dict = field(default_factory=dict)
     # Attention lowered to onnxruntime's contrib ops (exporters/ort_attention.py: lowering, ops, and per graph the
     # layers in GroupQueryAttention / MultiHeadAttention / standard ops); empty: standard ONNX ops, which any
-    # runtime takes (the tensorrt target's, and manifests written before attention was fused).
+    # runtime takes (the tensorrt target's, and manifests written before attention was fused). ``shared_kv``: the
+    # graphs whose present outputs are the whole buffer, written in place (exporters/ort_shared_kv.py, docs/kv.md).
     attention: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -235,6 +239,11 @@ class EngineManifest:
     def has_logits(self, graph: str) -> bool:
         """The decode graph returns logits; the prefill graph too when the boundary is folded into it."""
         return graph == "decode" or self.boundary == "folded"
+
+    def shares_kv(self, graph: str) -> bool:
+        """Whether ``graph``'s present outputs are its past with the new rows written after it (bound to the
+        buffer: written in place), not the new rows alone (exporters/ort_shared_kv.py)."""
+        return graph in self.attention.get("shared_kv", ())
 
     def expected_outputs(self, graph: str) -> tuple[str, ...]:
         present = tuple(self.kv_layout.present_names)

@@ -22,6 +22,10 @@ allocated once, with ``np.zeros``/``np.empty``: pages cost memory only once a st
 Where the layout allows (``batch * kv_heads == 1``, e.g. Gemma 3 270M at batch 1), the cache rows are
 contiguous themselves: ``past`` and ``present`` are views of the cache, a graph reads and writes the
 cache in place, and ``write`` copies nothing.
+
+A graph that shares the buffer (manifest ``attention.shared_kv``: onnxruntime's GroupQueryAttention) binds
+``shared``: each layer's whole ``[B, H_kv, max_seq, D]`` cache rows (contiguous: batch is their outer axis) as
+its past and as its present; it writes its new rows at ``length..`` itself, and ``write`` copies nothing.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ class KVBuffer:
         self.length = 0
         self._staged: tuple[int, int] | None = None    # (batch, rows) laid out as a past in staging
         self._handed: list[np.ndarray] | None = None   # the views present() gave out last
+        self._handed_cache = False                     # ... and whether they are the cache's own rows
 
     @property
     def batch(self) -> int:
@@ -97,28 +102,40 @@ class KVBuffer:
         (in staging, or the cache rows themselves when ``in_place``).
 
         Bind them as the graph's outputs, then pass them to ``write``."""
-        if self.length + steps > self.layout.max_seq:
-            raise InputError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}: "
-                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
-        if self.in_place(batch):
+        self._check_room(steps)
+        self._handed_cache = self.in_place(batch)
+        if self._handed_cache:
             self._handed = self._cache_views(self.length, self.length + steps)
         else:
             self._handed = self._views(batch, self.length, steps)
         return self._handed
 
+    def shared(self, batch: int, steps: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(what a buffer-sharing graph binds as both its past and its present: the first ``batch`` sequences'
+        [batch, H_kv, max_seq, D] cache rows of every layer; the [batch, H_kv, steps, D] views of the rows it
+        writes, to pass to ``write``, which then copies nothing)."""
+        self._check_room(steps)
+        end = self.length + steps
+        whole = [self.data[index // 2, index % 2, :batch] for index in range(2 * self.layout.num_layers)]
+        self._handed, self._handed_cache = [rows[:, :, self.length:end] for rows in whole], True
+        return whole, self._handed
+
+    def _check_room(self, steps: int) -> None:
+        if self.length + steps > self.layout.max_seq:
+            raise InputError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}: "
+                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
+
     def write(self, present: list[np.ndarray], new_mask: np.ndarray) -> None:
         """Store the rows a step produced: present[2l + kind] is [B, H_kv, T, D]; new_mask is [B, T]."""
         batch, steps = new_mask.shape
+        self._check_room(steps)
         end = self.length + steps
-        if end > self.layout.max_seq:
-            raise InputError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}: "
-                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
         handed = self._handed is not None and all(a is b for a, b in zip(present, self._handed))
-        if not (handed and self.in_place(batch)):  # in place: the graph wrote the cache rows itself
+        if not (handed and self._handed_cache):  # in place: the graph wrote the cache rows itself
             for index, rows in enumerate(present):
                 self.data[index // 2, index % 2, :batch, :, self.length:end, :] = rows
-        # From an empty cache, the rows just written are laid out in staging exactly as the next past.
-        self._staged = (batch, end) if handed and self.length == 0 else None
+        # From an empty cache, rows a graph wrote into staging are laid out there exactly as the next past.
+        self._staged = (batch, end) if handed and not self._handed_cache and self.length == 0 else None
         self._handed = None
         self.mask[:batch, self.length:end] = new_mask
         self.length = end

@@ -48,11 +48,15 @@ class HostBackend:
 
     run_graph: RunGraph
     logits_graphs: frozenset[str] = frozenset({"decode"})  # graphs whose first output is logits
+    shared_kv: frozenset[str] = frozenset()  # graphs whose presents are past + new rows (manifest attention.shared_kv)
 
     def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
         past = buffer.past(feeds["input_ids"].shape[0])
         outputs = self.run_graph(graph, {**feeds, **dict(zip(buffer.layout.past_names, past))})
-        return (outputs[0], list(outputs[1:])) if graph in self.logits_graphs else (None, list(outputs))
+        logits, present = (outputs[0], outputs[1:]) if graph in self.logits_graphs else (None, outputs)
+        if graph in self.shared_kv:  # given exactly the past rows, such a graph returns past + new: keep the new
+            present = [rows[:, :, buffer.length:] for rows in present]
+        return logits, list(present)
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,10 @@ class BoundBackend:
     session owns, so ``run_with_iobinding`` reads the past K/V from the buffer's staging area and writes
     the new rows (and logits) in place: no output allocation, no copy out of onnxruntime."""
 
-    def __init__(self, sessions: dict[str, ort.InferenceSession], layout: KVLayout):
+    def __init__(self, sessions: dict[str, ort.InferenceSession], layout: KVLayout,
+                 shared_kv: frozenset[str] = frozenset()):
         self.sessions, self.layout = sessions, layout
+        self.shared_kv = shared_kv  # graphs that read and write the buffer in place (manifest attention.shared_kv)
         self.logits_graphs = {name for name, s in sessions.items() if s.get_outputs()[0].name == "logits"}
         logits = sessions["decode"].get_outputs()[0]
         self.logits_dtype = _NUMPY_TYPES[logits.type]
@@ -89,12 +91,9 @@ class BoundBackend:
         session = self.sessions[graph]
         batch, steps = feeds["input_ids"].shape
         binding = session.io_binding()
-        inputs = {**feeds, **dict(zip(self.layout.past_names, buffer.past(batch)))}
-        for name, array in inputs.items():
+        for name, array in feeds.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))  # CPU: no copy
-        present = buffer.present(batch, steps)
-        for name, array in zip(self.layout.present_names, present):
-            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        present = self._bind_kv(binding, graph, buffer, batch, steps)
         logits, with_logits = None, graph in self.logits_graphs
         if with_logits and self.vocab is not None:
             logits = np.empty((batch, self.vocab), dtype=self.logits_dtype)
@@ -105,6 +104,26 @@ class BoundBackend:
         if with_logits and logits is None:
             logits = binding.get_outputs()[0].numpy()
         return logits, present
+
+    def _bind_kv(self, binding: ort.IOBinding, graph: str, buffer: KVBuffer, batch: int, steps: int) -> list:
+        """Bind the past and present K/V; the new rows [B, H_kv, T, D] (views for ``buffer.write``).
+
+        A shared graph gets the cache itself as both, except for a first prompt (empty past, T > 1): its
+        GroupQueryAttention would size its scores T x max_seq, so the past is bound empty and the T rows it
+        returns (past + new = new) land in staging, as for any other graph."""
+        if graph in self.shared_kv and (buffer.length > 0 or steps == 1):
+            whole, present = buffer.shared(batch, steps)
+            for past_name, present_name, rows in zip(self.layout.past_names, self.layout.present_names, whole):
+                value = ort.OrtValue.ortvalue_from_numpy(rows)
+                binding.bind_ortvalue_input(past_name, value)
+                binding.bind_ortvalue_output(present_name, value)
+            return present
+        for name, array in zip(self.layout.past_names, buffer.past(batch)):
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        present = buffer.present(batch, steps)
+        for name, array in zip(self.layout.present_names, present):
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        return present
 
 
 def _shrink_arena_options(session: ort.InferenceSession) -> ort.RunOptions | None:
@@ -147,8 +166,9 @@ class PopSession(Session):
             check_external_data(self.folder, paths[name], self.manifest.weights)
         self.sessions = {name: load_graph(paths[name], options, providers) for name in self.manifest.graphs}
         self._check_signatures()
-        self.backend = BoundBackend(self.sessions, self.layout) if io_binding else HostBackend(
-            self._run, frozenset(g for g in self.sessions if self.manifest.has_logits(g)))
+        shared = frozenset(g for g in self.sessions if self.manifest.shares_kv(g))
+        self.backend = BoundBackend(self.sessions, self.layout, shared) if io_binding else HostBackend(
+            self._run, frozenset(g for g in self.sessions if self.manifest.has_logits(g)), shared)
         self.tokenizer = EngineTokenizer.from_folder(self.folder)
         # token ids a prompt may hold: the graphs' vocabulary (the embedding rows), else the tokenizer's
         self.vocab = vocab_size(self.sessions["decode"]) or self.tokenizer.vocab_size
