@@ -51,6 +51,8 @@ def _run_graphs(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
     assert manifest.boundary == "folded"  # the default; tests/test_engine.py runs "separate" engines too
     prefill = sessions["prefill"].run(None, _feeds(layout, PROMPT, empty, 0))
     decode = sessions["decode"].run(None, _feeds(layout, PROMPT[:, :1], prefill[1:], PROMPT.shape[1]))
+    if manifest.shares_kv("decode"):  # its presents are past + new rows (docs/kv.md): keep the new row
+        decode = [decode[0], *(rows[:, :, PROMPT.shape[1]:] for rows in decode[1:])]
     return prefill, decode
 
 

@@ -18,6 +18,7 @@ from popcompile.arch import ARCHITECTURES
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort
+from popcompile.exporters.ort_rotary import fuse_rotary
 from popcompile.exporters.ort_shared_kv import PRESENT_DIM, share_kv_buffer
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
@@ -41,11 +42,14 @@ def graphs(request, tmp_path_factory) -> dict:
         proto = onnx.load(str(folder / f"{name}.onnx"))
         standard = _session(proto)  # before the lowering, which consumes ``proto``
         fused, out["forms"][name] = lower_for_ort(proto, LAYERS)
-        out[name] = {"standard": standard, "fused": _session(fused), "proto": fused}
         shared = onnx.ModelProto()
         shared.CopyFrom(fused)
-        if share_kv_buffer(shared, out["manifest"].kv_layout):
-            out[name]["shared"] = _session(shared)
+        out[name] = {"standard": standard}
+        if share_kv_buffer(shared, out["manifest"].kv_layout):  # as the exporter: share, then fuse RoPE
+            out["rotary"] = fuse_rotary(shared)
+            out[name].update(shared=_session(shared), shared_proto=shared)
+        out["rotary_" + name] = fuse_rotary(fused)
+        out[name].update(fused=_session(fused), proto=fused)
     return out
 
 
@@ -157,6 +161,24 @@ def test_every_layer_takes_a_fused_form(graphs):
     assert graphs["forms"]["prefill"] == {GQA: CUT, MHA: LAYERS - CUT, "standard": 0}
     ops = Counter(node.op_type for node in graphs["decode"]["proto"].graph.node)
     assert ops[GQA] == LAYERS and ops["Softmax"] == 0 and ops["Expand"] <= 1  # no K/V repeat is left
+
+
+def test_rope_becomes_rotary_embedding_on_the_token_rows(graphs):
+    """Every query's and key's rotation is one RotaryEmbedding (exporters/ort_rotary.py), in both graphs: no
+    rotate-half ops are left, and in the decode graphs q and k reach GroupQueryAttention without a Transpose."""
+    assert graphs["rotary"] == graphs["rotary_decode"] == graphs["rotary_prefill"] == 2 * LAYERS
+    for proto in (graphs["decode"]["proto"], graphs["decode"]["shared_proto"]):
+        ops = Counter(node.op_type for node in proto.graph.node)
+        assert ops["RotaryEmbedding"] == 2 * LAYERS and ops["Neg"] == 0
+    nodes = graphs["decode"]["shared_proto"].graph.node
+    producer = {out: node for node in nodes for out in node.output}
+    for node in nodes:
+        if node.op_type == GQA:
+            for name in node.input[:2]:  # q, k: RotaryEmbedding's [B, S, H*D] rows, passed on as they are
+                source = producer[name]
+                while source.op_type == "Identity":
+                    source = producer[source.input[0]]
+                assert source.op_type == "RotaryEmbedding", (node.name, source.op_type)
 
 
 def test_export_fuses_by_default_and_records_it(tmp_path):

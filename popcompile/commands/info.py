@@ -47,7 +47,9 @@ def _attention(manifest) -> str:
         return "attention: standard ONNX ops\n"
     forms = "; ".join(f"{graph}: " + ", ".join(f"{count} {form}" for form, count in sorted(counts.items()) if count)
                       for graph, counts in sorted(layers.items()) if isinstance(counts, dict))
-    return f"attention: onnxruntime fused ops (layers per graph, {forms})\n"
+    shared = [graph for graph in ("prefill", "decode") if manifest.shares_kv(graph)]
+    extra = f"; {' and '.join(shared)} on the shared KV buffer" if shared else ""
+    return f"attention: onnxruntime fused ops (layers per graph, {forms}){extra}\n"
 
 
 def _threshold(manifest) -> str:

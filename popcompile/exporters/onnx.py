@@ -29,6 +29,7 @@ from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..models import LoadedModel
 from ..pipeline import GraphPair
 from .ort_attention import lower_for_ort
+from .ort_rotary import fuse_rotary
 from .ort_shared_kv import share_kv_buffer
 from .quantize import quantize_weights
 from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
@@ -50,13 +51,15 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | N
     decode = to_onnx(pair.decode, pair, with_logits=True)
     step(ONNX_STEPS[1])
     prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
-    lowering, shared = {}, ()
+    lowering, shared, rotary = {}, (), {}
     if attention == "fused" or report_fuse:
         step(FUSE_STEP)
     if attention == "fused":
         (decode, lowering["decode"]), (prefill, lowering["prefill"]) = (
             lower_for_ort(proto, pair.num_layers) for proto in (decode, prefill))
         shared = ("decode",) * share_kv_buffer(decode, pair.layout)  # prefill: its pruned layers are MHA
+        for name, proto in (("decode", decode), ("prefill", prefill)):  # last: GQA's flattening is its anchor
+            rotary[name] = fuse_rotary(proto)
     if quantization.bits is not None:
         step(QUANTIZE_STEP)
         decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
@@ -69,7 +72,7 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | N
     loaded.model.generation_config.save_pretrained(tmp)
     loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
     manifest = replace(_manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice),
-                       quantization=quantization.to_manifest(), attention=_attention_entry(lowering, shared))
+                       quantization=quantization.to_manifest(), attention=_attention_entry(lowering, shared, rotary))
     manifest.write(tmp)
     return manifest
 
@@ -162,14 +165,16 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
     )
 
 
-def _attention_entry(lowering: dict[str, dict[str, int]], shared: tuple[str, ...]) -> dict:
-    """The manifest's ``attention`` entry: empty for standard ops; else the ops, the layers per form and the
-    graphs that read and write the KV buffer in place (exporters/ort_shared_kv.py)."""
+def _attention_entry(lowering: dict[str, dict[str, int]], shared: tuple[str, ...], rotary: dict[str, int]) -> dict:
+    """The manifest's ``attention`` entry: empty for standard ops; else the contrib ops used, the layers per
+    attention form, the graphs that read and write the KV buffer in place (exporters/ort_shared_kv.py) and the
+    RoPE rotations per graph that became RotaryEmbedding (exporters/ort_rotary.py)."""
     if not lowering:
         return {}
-    return {"lowering": "onnxruntime", "ops": ["com.microsoft.GroupQueryAttention",
-                                               "com.microsoft.MultiHeadAttention"], "layers": lowering,
-            "shared_kv": list(shared)}
+    used = {op for forms in lowering.values() for op, layers in forms.items() if layers and op != "standard"}
+    used |= {"RotaryEmbedding"} if any(rotary.values()) else set()
+    return {"lowering": "onnxruntime", "ops": sorted(f"com.microsoft.{op}" for op in used), "layers": lowering,
+            "shared_kv": list(shared), "rotary": rotary}
 
 
 def _versions() -> dict[str, str]:

@@ -18,8 +18,8 @@ reads the past and the new rows per KV head (no repeat per query head, no transp
 
 The mask stays the graph's own additive bias (padding, causality, Gemma 3's sliding windows), so GQA's
 causal rule only repeats it. The KV contract is unchanged: ``present.i.key`` (the new rows) is still the
-output and the past still an input. GQA still writes its own concatenated present (one copy of the past
-per step, unused: decode on a shared buffer is what would remove it). A layer whose query has
+output and the past still an input. GQA also writes its own concatenated present, unused here (one copy of
+the past per step): ``ort_shared_kv`` then makes the decode graph's presents GQA's, bound to the buffer itself. A layer whose query has
 fewer tokens than its new K/V (the prefill graph's pruned layers: only the last token attends over all N)
 keeps MultiHeadAttention, which takes unequal lengths; a layer no fusion matched keeps standard ops.
 ``lower_for_ort`` returns the graph and how many layers took each form, for the manifest.
@@ -63,7 +63,7 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
     new-row lengths into GroupQueryAttention (module docstring); returns how many."""
     graph = proto.graph
     producer = {out: node for node in graph.node for out in node.output}
-    shapes = {v.name: _dims(v) for v in (*graph.value_info, *graph.input, *graph.output)}
+    shapes = {v.name: dims(v) for v in (*graph.value_info, *graph.input, *graph.output)}
     nodes, count = [], 0
     for node in graph.node:
         match = _match(node, producer, shapes)
@@ -76,7 +76,7 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
         _add_lengths(graph)
         del graph.node[:]
         graph.node.extend([*_length_nodes(), *nodes])
-        _drop_dead(graph)
+        drop_dead(graph)
     return count
 
 
@@ -156,7 +156,7 @@ def _length_nodes() -> list:
             helper.make_node("Expand", [f"{p}/last", f"{p}/batch"], [f"{p}/seqlens_k"])]
 
 
-def _drop_dead(graph: onnx.GraphProto) -> None:
+def drop_dead(graph: onnx.GraphProto) -> None:
     """Remove the nodes no graph output depends on (the replaced Concat/repeat chains), keeping the order."""
     needed = {out.name for out in graph.output}
     live = []
@@ -176,7 +176,7 @@ def _drop_dead(graph: onnx.GraphProto) -> None:
     graph.value_info.extend(infos)
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[int | str] | None:
+def dims(value: onnx.ValueInfoProto) -> list[int | str] | None:
     if not value.type.tensor_type.HasField("shape"):
         return None
     return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
