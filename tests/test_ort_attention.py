@@ -18,7 +18,6 @@ from popcompile.arch import ARCHITECTURES
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort
-from popcompile.exporters.ort_pack import pack_projections
 from popcompile.exporters.ort_rotary import fuse_rotary
 from popcompile.exporters.ort_shared_kv import PRESENT_DIM, share_kv_buffer
 from popcompile.exporters.steps import FUSE_STEP
@@ -46,12 +45,10 @@ def graphs(request, tmp_path_factory) -> dict:
         shared = onnx.ModelProto()
         shared.CopyFrom(fused)
         out[name] = {"standard": standard}
-        if share_kv_buffer(shared, out["manifest"].kv_layout):  # as the exporter: share, fuse RoPE, pack
+        if share_kv_buffer(shared, out["manifest"].kv_layout):  # as the exporter: share, then fuse RoPE
             out["rotary"] = fuse_rotary(shared)
-            out["packed"] = pack_projections(shared)
             out[name].update(shared=_session(shared), shared_proto=shared)
         out["rotary_" + name] = fuse_rotary(fused)
-        out["packed_" + name] = pack_projections(fused)
         out[name].update(fused=_session(fused), proto=fused)
     return out
 
@@ -164,18 +161,6 @@ def test_every_layer_takes_a_fused_form(graphs):
     assert graphs["forms"]["prefill"] == {GQA: CUT, MHA: LAYERS - CUT, "standard": 0}
     ops = Counter(node.op_type for node in graphs["decode"]["proto"].graph.node)
     assert ops[GQA] == LAYERS and ops["Softmax"] == 0 and ops["Expand"] <= 1  # no K/V repeat is left
-
-
-def test_projections_of_one_activation_are_packed(graphs):
-    """q/k/v and gate/up are one MatMul each (exporters/ort_pack.py): 4 per layer in decode (qkv, o, gate+up,
-    down); the folded prefill's pruned layers pack their k/v (x_N's query reads another activation)."""
-    assert graphs["packed"] == graphs["packed_decode"] == 2 * LAYERS
-    assert graphs["packed_prefill"] == 2 * LAYERS
-    for proto in (graphs["decode"]["proto"], graphs["decode"]["shared_proto"]):
-        ops = Counter(node.op_type for node in proto.graph.node)
-        assert ops["MatMul"] == 4 * LAYERS and ops["Split"] == 2 * LAYERS
-    prefill = Counter(node.op_type for node in graphs["prefill"]["proto"].graph.node)
-    assert prefill["MatMul"] == 4 * LAYERS + (LAYERS - CUT)
 
 
 def test_rope_becomes_rotary_embedding_on_the_token_rows(graphs):

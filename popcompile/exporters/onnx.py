@@ -29,7 +29,6 @@ from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..models import LoadedModel
 from ..pipeline import GraphPair
 from .ort_attention import lower_for_ort
-from .ort_pack import pack_projections
 from .ort_rotary import fuse_rotary
 from .ort_shared_kv import share_kv_buffer
 from .quantize import quantize_weights
@@ -61,7 +60,6 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | N
         shared = ("decode",) * share_kv_buffer(decode, pair.layout)  # prefill: its pruned layers are MHA
         for name, proto in (("decode", decode), ("prefill", prefill)):  # last: GQA's flattening is its anchor
             rotary[name] = fuse_rotary(proto)
-            pack_projections(proto)  # before quantisation: MatMulNBits then streams one packed weight
     if quantization.bits is not None:
         step(QUANTIZE_STEP)
         decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
