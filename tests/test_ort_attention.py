@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import onnxruntime as ort
 import pytest
 
@@ -18,8 +19,10 @@ from popcompile.arch import ARCHITECTURES
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort
+from popcompile.exporters.ort_pack import pack_projections
 from popcompile.exporters.ort_rotary import fuse_rotary
 from popcompile.exporters.ort_shared_kv import PRESENT_DIM, share_kv_buffer
+from popcompile.exporters.ort_views import drop_round_trip_views
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
@@ -40,16 +43,23 @@ def graphs(request, tmp_path_factory) -> dict:
     out = {"manifest": EngineManifest.read(folder), "forms": {}}
     for name in ("prefill", "decode"):
         proto = onnx.load(str(folder / f"{name}.onnx"))
-        standard = _session(proto)  # before the lowering, which consumes ``proto``
+        out[name] = {"standard": _session(proto)}  # before the lowering, which consumes ``proto``
         fused, out["forms"][name] = lower_for_ort(proto, LAYERS)
         shared = onnx.ModelProto()
         shared.CopyFrom(fused)
-        out[name] = {"standard": standard}
         if share_kv_buffer(shared, out["manifest"].kv_layout):  # as the exporter: share, then fuse RoPE
             out["rotary"] = fuse_rotary(shared)
-            out[name].update(shared=_session(shared), shared_proto=shared)
+            out[name]["shared_proto"] = shared
         out["rotary_" + name] = fuse_rotary(fused)
-        out[name].update(fused=_session(fused), proto=fused)
+        out[name]["proto"] = fused
+    # as the exporter, across the graphs it writes: the shared decode graph and the prefill graph
+    out["packed"] = pack_projections({"decode": out["decode"]["shared_proto"], "prefill": out["prefill"]["proto"]})
+    out["packed_alone"] = pack_projections({"decode": out["decode"]["proto"]})  # no other graph to share with
+    out["views"] = {(name, form): drop_round_trip_views(out[name][form])
+                    for name, form in (("decode", "shared_proto"), ("decode", "proto"), ("prefill", "proto"))}
+    for name in ("prefill", "decode"):
+        out[name].update({form: _session(out[name][proto]) for form, proto in
+                          (("fused", "proto"), ("shared", "shared_proto")) if proto in out[name]})
     return out
 
 
@@ -161,6 +171,44 @@ def test_every_layer_takes_a_fused_form(graphs):
     assert graphs["forms"]["prefill"] == {GQA: CUT, MHA: LAYERS - CUT, "standard": 0}
     ops = Counter(node.op_type for node in graphs["decode"]["proto"].graph.node)
     assert ops[GQA] == LAYERS and ops["Softmax"] == 0 and ops["Expand"] <= 1  # no K/V repeat is left
+
+
+def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share(graphs):
+    """q/k/v and gate/up are one MatMul each (exporters/ort_pack.py), and every packed weight the prefill graph
+    reads is one the decode graph reads too. The folded prefill's pruned layers read k/v over the prompt and q
+    over x_N alone: there both graphs pack [Wk|Wv] and keep Wq apart; a decode graph alone packs all three."""
+    pruned = LAYERS - CUT
+    assert graphs["packed"] == {"decode": 2 * LAYERS, "prefill": 2 * CUT + 2 * pruned}
+    assert graphs["packed_alone"] == {"decode": 2 * LAYERS}
+    matmuls = {name: Counter(n.op_type for n in graphs[name][proto].graph.node)["MatMul"]
+               for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
+    assert matmuls["decode"] == 4 * LAYERS + pruned  # qkv, o, gate|up, down; q apart where the prefill needs it
+    assert Counter(n.op_type for n in graphs["decode"]["proto"].graph.node)["MatMul"] == 4 * LAYERS
+    contents = {name: {_content(t) for t in graphs[name][proto].graph.initializer if len(t.dims) == 2}
+                for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
+    packed = {_content(t) for t in graphs["prefill"]["proto"].graph.initializer if t.name.endswith("/weight") and t.name.startswith("pop_pack/")}
+    assert packed and packed <= contents["decode"]
+
+
+def test_views_that_end_where_they_began_are_gone(graphs):
+    """The exporter's head views around the fused ops ([B,S,H*D] -> [B,S,H,D] -> [B,S,H*D], and v's two
+    Transposes) are removed (exporters/ort_views.py). The shared decode graph keeps no Transpose, and a Reshape
+    only where an op reads the head view (Gemma 3's per-head q/k norm) or for RotaryEmbedding's caches (the
+    graph that is not shared keeps its presents' [B,H,S,D] views)."""
+    assert min(graphs["views"][("decode", form)] for form in ("shared_proto", "proto")) >= 5 * LAYERS
+    assert graphs["views"][("prefill", "proto")] >= 5 * CUT
+    nodes = graphs["decode"]["shared_proto"].graph.node
+    producer = {out: node for node in nodes for out in node.output}
+    readers = {name: [n.op_type for n in nodes if name in n.input] for node in nodes for name in node.output}
+    assert Counter(node.op_type for node in nodes)["Transpose"] == 0
+    for node in nodes:
+        if node.op_type == "Reshape" and not node.output[0].startswith(("pop_rope/cache/", "pop_rope/positions/")):
+            near = {producer[node.input[0]].op_type, *readers[node.output[0]]}
+            assert "SimplifiedLayerNormalization" in near, (node.name, near)
+
+
+def _content(tensor: onnx.TensorProto) -> bytes:
+    return numpy_helper.to_array(tensor).tobytes()
 
 
 def test_rope_becomes_rotary_embedding_on_the_token_rows(graphs):

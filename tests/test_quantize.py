@@ -83,10 +83,12 @@ def _decode_outputs(folder: Path) -> list[np.ndarray]:
 
 
 def test_every_constant_weight_matmul_becomes_matmulnbits(engines):
-    # decode: 7 projections per layer + the LM head (a Gemm over the tied embedding, untied first);
-    # prefill: at least layers 0..cut-1 whole, the pruned layers' k/v projections (POP) and the head.
-    assert _constant_matmuls(_graph(engines["float"], "decode")) == 7 * LAYERS + 1
-    assert _constant_matmuls(_graph(engines["float"], "prefill")) >= 7 * CUT + 2 * (LAYERS - CUT) + 1
+    # decode: 4 projections per layer (q/k/v and gate/up packed: exporters/ort_pack.py; o, down), q apart in the
+    # pruned layers (the prefill reads it over x_N alone), and the LM head (a Gemm over the tied embedding, untied
+    # first); prefill: at least layers 0..cut-1 whole, the pruned layers' packed k/v projection (POP), x_N's q
+    # and the head.
+    assert _constant_matmuls(_graph(engines["float"], "decode")) == 4 * LAYERS + (LAYERS - CUT) + 1
+    assert _constant_matmuls(_graph(engines["float"], "prefill")) >= 4 * CUT + 2 * (LAYERS - CUT) + 1
     for fmt in ("int8", "int4"):
         for name in ("decode", "prefill"):
             float_graph, graph = _graph(engines["float"], name), _graph(engines[fmt], name)

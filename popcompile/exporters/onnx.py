@@ -29,8 +29,10 @@ from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..models import LoadedModel
 from ..pipeline import GraphPair
 from .ort_attention import lower_for_ort
+from .ort_pack import pack_projections
 from .ort_rotary import fuse_rotary
 from .ort_shared_kv import share_kv_buffer
+from .ort_views import drop_round_trip_views
 from .quantize import quantize_weights
 from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
 
@@ -51,28 +53,24 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | N
     decode = to_onnx(pair.decode, pair, with_logits=True)
     step(ONNX_STEPS[1])
     prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
-    lowering, shared, rotary = {}, (), {}
+    entry = {}
     if attention == "fused" or report_fuse:
         step(FUSE_STEP)
     if attention == "fused":
-        (decode, lowering["decode"]), (prefill, lowering["prefill"]) = (
-            lower_for_ort(proto, pair.num_layers) for proto in (decode, prefill))
-        shared = ("decode",) * share_kv_buffer(decode, pair.layout)  # prefill: its pruned layers are MHA
-        for name, proto in (("decode", decode), ("prefill", prefill)):  # last: GQA's flattening is its anchor
-            rotary[name] = fuse_rotary(proto)
+        decode, prefill, entry = fuse_for_ort(decode, prefill, pair)
     if quantization.bits is not None:
         step(QUANTIZE_STEP)
         decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
     step(ONNX_STEPS[2])
     weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
-    if not lowering:  # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
+    if not entry:  # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
         for name in ("decode.onnx", "prefill.onnx"):
             onnx.checker.check_model(str(tmp / name))
     loaded.tokenizer.save_pretrained(tmp)
     loaded.model.generation_config.save_pretrained(tmp)
     loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
     manifest = replace(_manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice),
-                       quantization=quantization.to_manifest(), attention=_attention_entry(lowering, shared, rotary))
+                       quantization=quantization.to_manifest(), attention=entry)
     manifest.write(tmp)
     return manifest
 
@@ -165,16 +163,25 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
     )
 
 
-def _attention_entry(lowering: dict[str, dict[str, int]], shared: tuple[str, ...], rotary: dict[str, int]) -> dict:
-    """The manifest's ``attention`` entry: empty for standard ops; else the contrib ops used, the layers per
-    attention form, the graphs that read and write the KV buffer in place (exporters/ort_shared_kv.py) and the
-    RoPE rotations per graph that became RotaryEmbedding (exporters/ort_rotary.py)."""
-    if not lowering:
-        return {}
+def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto,
+                 pair: GraphPair) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+    """Both graphs rewritten for onnxruntime's contrib ops, in order, and the manifest's ``attention`` entry:
+    attention (ort_attention), decode on the KV buffer itself (ort_shared_kv), RoPE (ort_rotary, after: GQA's
+    flattening is its anchor), projections packed across both graphs (ort_pack, before quantisation), and the
+    views that end where they began removed (ort_views)."""
+    (decode, decode_forms), (prefill, prefill_forms) = (
+        lower_for_ort(proto, pair.num_layers) for proto in (decode, prefill))
+    shared = ["decode"] * share_kv_buffer(decode, pair.layout)  # prefill: its pruned layers are MHA
+    rotary = {"decode": fuse_rotary(decode), "prefill": fuse_rotary(prefill)}
+    packed = pack_projections({"decode": decode, "prefill": prefill})
+    for proto in (decode, prefill):
+        drop_round_trip_views(proto)
+    lowering = {"decode": decode_forms, "prefill": prefill_forms}
     used = {op for forms in lowering.values() for op, layers in forms.items() if layers and op != "standard"}
     used |= {"RotaryEmbedding"} if any(rotary.values()) else set()
-    return {"lowering": "onnxruntime", "ops": sorted(f"com.microsoft.{op}" for op in used), "layers": lowering,
-            "shared_kv": list(shared), "rotary": rotary}
+    entry = {"lowering": "onnxruntime", "ops": sorted(f"com.microsoft.{op}" for op in used), "layers": lowering,
+             "shared_kv": shared, "rotary": rotary, "packed": packed}
+    return decode, prefill, entry
 
 
 def _versions() -> dict[str, str]:
