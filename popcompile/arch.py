@@ -18,6 +18,8 @@ class ArchSpec:
     input_norm: str = "input_layernorm"
     k_proj: str = "self_attn.k_proj"
     v_proj: str = "self_attn.v_proj"
+    # The per-head RMS norm applied to K before RoPE (Qwen3, Gemma 3), None where there is none.
+    k_norm: str | None = None
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -26,8 +28,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("llama", mask_mapping=False),
         ArchSpec("mistral", mask_mapping=False),
         ArchSpec("qwen2", mask_mapping=True),
-        ArchSpec("qwen3", mask_mapping=True),
-        ArchSpec("gemma3_text", mask_mapping=True),
+        ArchSpec("qwen3", mask_mapping=True, k_norm="self_attn.k_norm"),
+        ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm"),
     )
 }
 

@@ -32,6 +32,8 @@ from .fsutil import atomic_path
 from .passes.pop import Projection
 
 PARTS = ("k_proj", "v_proj")
+#: how the weights were made: closed-form ridge (this module) or distilled on the output (distill.py)
+METHODS = ("ridge", "distill")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class CalibrationInfo:
     tokens: int
     corpus_sha256: str
     model: str = ""
+    method: str = "ridge"  # one of METHODS; files written before it existed are ridge fits
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,9 @@ def _read_fit(path: Path) -> tuple[CalibrationInfo, dict[str, torch.Tensor]]:
         raise InputError(f"{path}: its calibration metadata is malformed ({err}): re-run calibrate") from None
     if not all(isinstance(getattr(info, n), int) for n in ("cut", "num_layers", "tokens")):
         raise InputError(f"{path}: its calibration metadata has non-integer cut/num_layers/tokens: re-run calibrate")
+    if info.method not in METHODS:
+        raise InputError(f"{path}: its calibration method {info.method!r} is not one of {', '.join(METHODS)}: "
+                         "re-run calibrate")
     return info, load_file(str(path))
 
 

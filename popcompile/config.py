@@ -180,3 +180,35 @@ class PopConfig:
     def resolve_cut(self, num_layers: int) -> int:
         """The first pruned layer for a model of ``num_layers`` layers (ConfigError when out of range)."""
         return resolve_cut(num_layers, cut=self.cut, prune_ratio=self.prune_ratio)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """POP++ (distill.py), how to distil: Adam ``steps`` at ``lr`` (one window each), windows shuffled and split with ``seed``;
+    ``continuation`` scored tokens at the end of each window; ``held_out`` share of the windows scored
+    every ``eval_every`` steps; stop after ``patience`` scores without improvement."""
+
+    steps: int = 900
+    lr: float = 3e-4
+    seed: int = 0
+    continuation: int = 48
+    held_out: float = 0.125
+    eval_every: int = 50
+    patience: int = 4
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("seed", 0), ("continuation", 1), ("eval_every", 1), ("patience", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ConfigError(f"{self._label(name, value)} must be an integer >= {low} "
+                                  f"(default {getattr(DistillConfig, name)})")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"{_named('lr', self.lr)} must be a finite number > 0 (default {DistillConfig.lr})")
+        if not (isinstance(self.held_out, (int, float)) and 0 < self.held_out < 1):
+            raise ConfigError(f"{self._label('held_out', self.held_out)} must be a share in (0, 1) "
+                              f"(default {DistillConfig.held_out})")
+
+    @staticmethod
+    def _label(field: str, value: object) -> str:
+        """The culprit: as ``_named`` for the fields ``popcompile calibrate`` has flags for, else as a keyword."""
+        return _named(field, value) if field in ("steps", "lr", "seed") else f"{field}={value!r}"

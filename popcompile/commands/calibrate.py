@@ -1,10 +1,11 @@
-"""``popcompile calibrate``: POP+ closed-form K/V projections for the pruned layers."""
+"""``popcompile calibrate``: POP+ K/V projections for the pruned layers, closed form (ridge, default) or
+distilled on the output from the ridge fit (distill, POP++: popcompile/distill.py)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from ..errors import InputError, OutputError
+from ..errors import ConfigError, InputError, OutputError
 from ..fsutil import check_destination
 from .common import (add_corpus_options, add_cut_options, check_range, precheck_model, quiet_libraries,
                      user_sources)
@@ -22,6 +23,12 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
     p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
     p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
+    p.add_argument("--method", choices=("ridge", "distill"), default="ridge",
+                   help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, then "
+                        "train on KL(full || POP) of each window's last 48 tokens, stopping early on held-out windows")
+    p.add_argument("--steps", type=int, help="distill: Adam steps at most, one window each (default 900)")
+    p.add_argument("--lr", type=float, help="distill: Adam learning rate (default 3e-4)")
+    p.add_argument("--seed", type=int, help="distill: seed of the held-out split and the window order (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(handler=cmd_calibrate)
 
@@ -31,12 +38,12 @@ def cmd_calibrate(args) -> None:
     check_range("--max-tokens", args.max_tokens, 1)
     check_range("--prune-ratio", args.prune_ratio, 0.0, 1.0, below_high=True)
     check_range("--ridge", args.ridge, 0.0)
+    distill = distill_config(args)
     check_output_file(args.out, args.force)
     precheck_model(args.model)
     import torch
-    from tqdm import tqdm
 
-    from ..calibrate import default_batches, fit_kv, save_fit, token_batches
+    from ..calibrate import fit_kv, save_fit
     from ..models import load_model
     from ..config import resolve_cut
 
@@ -44,20 +51,87 @@ def cmd_calibrate(args) -> None:
     quiet_libraries()
     loaded = load_model(args.model)
     cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
-    if sources:
-        docs = [loaded.tokenizer(text).input_ids for texts in sources.values() for text in texts]
-        batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
-    else:
-        batches = default_batches(loaded.tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
-    if not batches:
-        raise InputError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: give more text")
-    with torch.no_grad(), tqdm(total=sum(b.numel() for b in batches), unit="tok", desc="calibrate",
-                               file=sys.stderr, disable=None) as bar:
+    if distill is not None:
+        from ..distill import check_cut
+
+        check_cut(cut, loaded.model.config.num_hidden_layers)  # before the ridge fit's minutes
+    batches = calibration_batches(args, loaded.tokenizer, sources)
+    with torch.no_grad(), _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
         fit = fit_kv(loaded.model, batches, cut, ridge=args.ridge, progress=bar.update)
+    note = ""
+    if distill is not None:
+        fit, note = distill_fit(loaded.model, torch.cat(batches), fit, distill)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
     print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
-          f"{fit.info.tokens} tokens (ridge {fit.info.ridge})")
+          f"{fit.info.tokens} tokens (ridge {fit.info.ridge}{note})")
+
+
+def distill_config(args):
+    """The DistillConfig of --method distill (None for ridge); ConfigError for bad or misplaced values."""
+    given = [flag for flag, value in (("--steps", args.steps), ("--lr", args.lr), ("--seed", args.seed))
+             if value is not None]
+    if args.method == "ridge":
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to --method distill only: add --method distill or drop them")
+        return None
+    from ..config import DistillConfig
+
+    chosen = {name: value for name, value in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed))
+              if value is not None}
+    config = DistillConfig(**chosen)
+    if args.seq_len < config.continuation + 2:
+        raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt before the {config.continuation} scored "
+                          f"tokens of --method distill: use --seq-len >= {config.continuation + 2}")
+    return config
+
+
+def calibration_batches(args, tokenizer, sources) -> list:
+    """[4, --seq-len] token batches of the user's text (or the built-in corpus), --max-tokens at most."""
+    from ..calibrate import default_batches, token_batches
+
+    if sources:
+        docs = [tokenizer(text).input_ids for texts in sources.values() for text in texts]
+        batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
+    else:
+        batches = default_batches(tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    if not batches:
+        raise InputError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: give more text")
+    return batches
+
+
+#: DistillProgress.phase -> (unit, description) of its progress bar
+PHASES = {"teacher": ("win", "distill: full model"), "train": ("step", "distill")}
+
+
+def distill_fit(model, windows, init, config):
+    """(the distilled fit, a note for the summary line), with a progress bar per phase."""
+    from ..distill import distill_kv
+
+    bars: dict = {}  # phase -> its bar, opened at the phase's first report
+
+    def report(event) -> None:
+        if event.phase not in bars:
+            for bar in bars.values():
+                bar.close()
+            bars[event.phase] = _bar(event.total, *PHASES[event.phase])
+        bar = bars[event.phase]
+        bar.update(event.done - bar.n)
+        if event.loss is not None:
+            bar.set_postfix(kl=f"{event.loss:.4f}", held_out=f"{event.held_out:.4f}", refresh=False)
+    try:
+        result = distill_kv(model, windows, init, config, progress=report)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    return result.fit, (f"; distilled {result.steps_run} steps, held-out KL {result.initial_kl:.4f} -> "
+                        f"{result.best_kl:.4f} at step {result.best_step}")
+
+
+def _bar(total: int, unit: str, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, disable=None)
 
 
 def check_output_file(out: Path, force: bool) -> None:
