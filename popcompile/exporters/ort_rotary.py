@@ -16,6 +16,7 @@ through Unsqueeze, Cast or a scalar Mul. Anything else (another rotation, a part
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -27,13 +28,15 @@ from .ort_attention import dims, drop_dead
 _PREFIX = "pop_rope"
 _BSNH = [0, 2, 1, 3]
 _PASS_THROUGH = ("Unsqueeze", "Cast", "Mul")
+_CONST_ELEMENTS = 1 << 16
 
 
 def fuse_rotary(proto: onnx.ModelProto) -> int:
     """Rewrite, in place, every rotate-half RoPE (module docstring) into RotaryEmbedding; returns how many."""
     graph = proto.graph
     producer = {out: node for node in graph.node for out in node.output}
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    # shape and scalar constants only: the weights (hundreds of MB) decide no match
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer if math.prod(t.dims) <= _CONST_ELEMENTS}
     consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
     shapes = {v.name: dims(v) for v in (*graph.value_info, *graph.input, *graph.output)}
