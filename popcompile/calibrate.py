@@ -352,28 +352,9 @@ def check_fit_shapes(fit: KVFit, model: torch.nn.Module) -> None:
 
 
 def read_fit(kv: KVCalibration) -> KVFit | None:
-    """The file's fit, read and checked for finite values before any model loads (None for auto/none)."""
+    """The file's fit, read and checked for finite values before any model loads (None for the other modes;
+    distill.kv_fit makes or checks every mode's weights)."""
     return load_fit(kv.path) if kv.mode == "file" else None
-
-
-def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
-           fit: KVFit | None = None) -> KVFit | None:
-    """The one place POP+ weights come from, for every entry point (export, torch.compile, eval).
-
-    none: plain POP (None). auto: fitted now on the built-in corpus (needs ``tokenizer``). file: the fit
-    read from it (or ``fit``, read earlier by ``read_fit``), checked against ``cut`` and the model's shapes.
-    None as well when ``cut`` prunes nothing."""
-    kv = KVCalibration.of(kv)
-    layers = model.config.num_hidden_layers
-    if kv.mode == "none" or cut == layers:
-        return None
-    if kv.mode == "auto":
-        with torch.no_grad():
-            return fit_kv(model, default_batches(tokenizer), cut)
-    fit = fit or load_fit(kv.path)
-    check_fit(fit, cut, layers)
-    check_fit_shapes(fit, model)
-    return fit
 
 
 def token_batches(token_lists: Iterable[list[int]], seq_len: int, batch: int) -> Iterable[torch.Tensor]:

@@ -2,7 +2,7 @@
 
     PopConfig(cut=None, prune_ratio=None,     which layers are pruned: cut = first pruned layer, or
               boundary="folded",              L - floor(L * prune_ratio) (default 1/3; resolve_cut)
-              kv_calibration="auto",          KVCalibration: none | auto | a file from `popcompile calibrate`
+              kv_calibration="auto",          KVCalibration: none | auto | distill | a file from `popcompile calibrate`
               dtype="float32", max_seq=None,  engine precision, KV buffer length (None: min(4096, model limit))
               min_prompt_tokens="auto")       prompts shorter than this prefill in full ("auto": measured)
 
@@ -26,7 +26,9 @@ DEFAULT_PRUNE_RATIO = 1 / 3
 DTYPES = ("float32", "float16")
 #: capture traces 3 new tokens over 4 cached ones (capture.example_inputs): a shorter buffer cannot be exported
 MIN_MAX_SEQ = 8
-KV_MODES = ("none", "auto", "file")
+KV_MODES = ("none", "auto", "distill", "file")
+#: the modes that fit on the built-in corpus while compiling (export only: the torch.compile backend refuses them)
+FITTED_MODES = ("auto", "distill")
 #: weight formats of an ONNX engine: float (the engine's dtype) or onnxruntime's MatMulNBits blocks
 WEIGHT_FORMATS = ("float", "int8", "int4")
 #: how an onnx engine's attention is lowered: onnxruntime's fused contrib ops, standard ONNX ops (any runtime), or
@@ -65,8 +67,10 @@ class KVCalibration:
     """POP+ replacement K/V projections for the pruned layers (calibrate.py):
 
     ``none``  plain POP, the paper's (the layers' own k/v projections of h_cut)
-    ``auto``  fitted at compile time on the built-in corpus (2-5 min on CPU; export's default)
-    ``file``  a fit from ``popcompile calibrate`` (its cut must be the compile's)
+    ``auto``     fitted at compile time on the built-in corpus (2-5 min on CPU; export's default)
+    ``distill``  auto's fit, then distilled on KL(full || POP) of continuation tokens (POP++, distill.py;
+                 minutes more)
+    ``file``     a fit from ``popcompile calibrate`` (its cut must be the compile's)
     """
 
     mode: str = "none"
@@ -74,26 +78,35 @@ class KVCalibration:
 
     def __post_init__(self) -> None:
         if self.mode not in KV_MODES:
-            raise ConfigError(f"kv_calibration mode {self.mode!r} is not one of {', '.join(KV_MODES)}")
+            raise ConfigError(f"kv_calibration mode {self.mode!r} is not one of {', '.join(KV_MODES)}: give one of "
+                              "them (file with a path)")
         if (self.mode == "file") != (self.path is not None):
             raise ConfigError("kv_calibration: a path goes with mode 'file' and only with it")
 
+    @property
+    def fits_now(self) -> bool:
+        """True for the modes fitted while compiling (FITTED_MODES), False for none and a file."""
+        return self.mode in FITTED_MODES
+
     @classmethod
     def of(cls, value: Any) -> KVCalibration:
-        """From what users write: None/"none"/False, "auto"/True, a path (str or Path), or a KVCalibration."""
+        """From what users write: None/"none"/False, "auto"/True, "distill", a path (str or Path), or a
+        KVCalibration."""
         if isinstance(value, KVCalibration):
             return value
         if value is None or value is False or value == "none":
             return cls("none")
         if value is True or value == "auto":
             return cls("auto")
+        if value == "distill":
+            return cls("distill")
         if isinstance(value, (str, Path)) and str(value):
             path = Path(value)
             if not path.is_file():
-                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, or a file from "
-                                  "`popcompile calibrate MODEL --out FILE`")
+                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, distill, or a file "
+                                  "from `popcompile calibrate MODEL --out FILE`")
             return cls("file", path)
-        raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, or a file from "
+        raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, distill, or a file from "
                           "`popcompile calibrate`")
 
     def __str__(self) -> str:

@@ -33,18 +33,22 @@ import contextlib
 import hashlib
 import inspect
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .arch import arch_spec
-from .calibrate import PARTS, KVFit, check_finite, check_fit_shapes
+from .calibrate import (PARTS, KVFit, check_finite, check_fit, check_fit_shapes, default_batches, fit_kv,
+                        load_fit)
 from .capture import cache_keyword
-from .config import DistillConfig
+from .config import DistillConfig, KVCalibration
 from .errors import ConfigError, InputError, UnsupportedModelError
 from .passes.pop import Projection
 
+#: tokens per window of the built-in corpus: a 512-token prompt, then DistillConfig.continuation (48) scored
+DEFAULT_SEQ_LEN = 560
 #: float32 logits [B, C, V] of one held-out forward stay near 128 MiB (SmolLM2 at C=48: 8 windows, Gemma 3: 2)
 EVAL_LOGITS = 2**25
 
@@ -340,3 +344,57 @@ def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig 
     info = replace(init.info, tokens=windows.numel(), corpus_sha256=digest, method="distill")
     fit = check_finite(KVFit(info, best.weights), "the distilled fit")
     return DistillResult(fit, initial, best.kl, best.step, steps, tuple(held.tolist()))
+
+
+def default_windows(tokenizer, *, seq_len: int = DEFAULT_SEQ_LEN, max_tokens: int = 65536) -> torch.Tensor:
+    """Token windows [W, seq_len] of the built-in calibration corpus (calibrate.default_batches: stdlib modules
+    disjoint from the evaluation's; 116 windows of 560 tokens by default)."""
+    batches = default_batches(tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    if not batches:
+        raise InputError(f"the built-in calibration corpus has no window of {seq_len} tokens for this tokenizer: "
+                         "give a file from `popcompile calibrate --method distill` with your own text")
+    return torch.cat(batches)
+
+
+def distill_default(model, tokenizer, init: KVFit, config: DistillConfig = DistillConfig(),
+                    progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
+    """``distill_kv`` of ``init`` on ``default_windows`` (what export's and eval's distill modes run)."""
+    return distill_kv(model, default_windows(tokenizer), init, config, progress)
+
+
+# --- every entry point's K/V weights -----------------------------------------------------------
+
+def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
+           fit: KVFit | None = None, *, step: Callable[[str], None] | None = None) -> KVFit | None:
+    """The one place POP+ / POP++ weights come from, for every entry point (export, torch.compile, eval);
+    here, not in calibrate.py, because distill.py builds on calibrate.py (no import cycle).
+
+    none: plain POP (None). auto: fitted now on the built-in corpus (needs ``tokenizer``). distill: auto's
+    fit, then distilled on windows of the same corpus (distill_default, minutes; ``step("distill")``
+    is reported before it starts). file: the fit read from it (or ``fit``, read earlier by ``read_fit``),
+    checked against ``cut`` and the model's shapes. None as well when ``cut`` prunes nothing."""
+    kv = KVCalibration.of(kv)
+    layers = model.config.num_hidden_layers
+    if kv.mode == "none" or cut == layers:
+        return None
+    if kv.fits_now:
+        return _fit_now(model, tokenizer, cut, kv.mode, step or (lambda name: None))
+    fit = fit or load_fit(kv.path)
+    check_fit(fit, cut, layers)
+    check_fit_shapes(fit, model)
+    return fit
+
+
+#: the step ``kv_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
+DISTILL_STEP = "distill"
+
+
+def _fit_now(model: torch.nn.Module, tokenizer, cut: int, mode: str, step: Callable[[str], None]) -> KVFit:
+    """auto: the ridge fit on the built-in corpus; distill: that fit distilled (distill.py), unless it has no
+    layer to distil (cut L-1: that layer reads h_cut in the full model too; the fit stays ridge's, empty)."""
+    with torch.no_grad():
+        fit = fit_kv(model, default_batches(tokenizer), cut)
+    if mode != "distill" or not fit.weights:
+        return fit
+    step(DISTILL_STEP)
+    return distill_default(model, tokenizer, fit).fit

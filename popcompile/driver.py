@@ -2,8 +2,8 @@
 
     compile(model, PopConfig(...), out="engines/x", target="onnx")
       load       models.load_model            a shipped name, a .gguf, a HF folder (or a LoadedModel)
-      calibrate  config.resolve_cut,           the cut for this model's depth; POP+ weights (none | auto | file)
-                 calibrate.kv_fit
+      calibrate  config.resolve_cut,           the cut for this model's depth; POP+ weights (none | auto | distill
+                 distill.kv_fit               | file); distill reports a "distill" step of its own (minutes)
       capture    capture.capture              the decode graph (torch.export, explicit KV interface)
       POP pass   pipeline.pop_graphs          the prefill graph (passes/boundary.py or passes/pop.py)
       export     exporters.targets.TARGETS    ONNX (+ TensorRT plans), or a vLLM folder (no capture, no
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .calibrate import KVFit, kv_fit, read_fit
+from .calibrate import KVFit, read_fit
+from .distill import DISTILL_STEP, kv_fit
 from .capture import capture
 from .config import PopConfig
 from .engine.manifest import EngineManifest
@@ -61,7 +62,7 @@ def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *,
         step("load")
         loaded, owned = (model, False) if isinstance(model, LoadedModel) else (load_model(model), True)
         step("calibrate")
-        cut, fit = calibrate(loaded, config, early_fit)
+        cut, fit = calibrate(loaded, config, early_fit, step)
         model = cast_model(loaded.model, config.dtype, in_place=owned)
         pair = graphs(model, config, cut, fit, step) if target.graphs else None
         if not target.graphs and model is not loaded.model:
@@ -87,14 +88,17 @@ def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:
     """The names ``compile`` reports to ``progress``, in order (for a progress bar's total)."""
     target = target_for(target)
     measure = [MEASURE_STEP] if config.min_prompt_tokens == "auto" and target.runtime is not None else []
-    return [*(STEPS if target.graphs else STEPS[:2]), *target.steps, *measure]
+    distill = [DISTILL_STEP] if config.kv_calibration.mode == "distill" else []  # after "calibrate"
+    named = [*(STEPS if target.graphs else STEPS[:2])]
+    return [*named[:2], *distill, *named[2:], *target.steps, *measure]
 
 
-def calibrate(loaded: LoadedModel, config: PopConfig, fit: KVFit | None = None) -> tuple[int, KVFit | None]:
+def calibrate(loaded: LoadedModel, config: PopConfig, fit: KVFit | None = None,
+              step: Callable[[str], None] | None = None) -> tuple[int, KVFit | None]:
     """The cut for this model and its POP+ weights (ConfigError / InputError before any tracing)."""
     check_max_seq(loaded, config.max_seq)
     cut = config.resolve_cut(loaded.model.config.num_hidden_layers)
-    return cut, kv_fit(loaded.model, loaded.tokenizer, cut, config.kv_calibration, fit)
+    return cut, kv_fit(loaded.model, loaded.tokenizer, cut, config.kv_calibration, fit, step=step)
 
 
 def check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:

@@ -48,7 +48,7 @@ def test_cut_equal_to_layers_changes_nothing(tmp_path):
     model = tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match="prunes nothing"):
         fit_kv(model, [torch.randint(0, 97, (1, 8))], 4)
-    from popcompile.calibrate import kv_fit
+    from popcompile.distill import kv_fit
 
     assert kv_fit(model, None, 4, "auto") is None
 

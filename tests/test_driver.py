@@ -64,6 +64,32 @@ def test_config_is_frozen_and_normalises_kv_calibration(fit_file):
         PopConfig(kv_calibration="nope.safetensors")
 
 
+def test_distill_is_a_kv_calibration_mode_and_a_misspelling_names_the_modes():
+    assert KVCalibration.of("distill") == KVCalibration("distill") == PopConfig(kv_calibration="distill").kv_calibration
+    assert KVCalibration("distill").fits_now and KVCalibration("auto").fits_now and not KVCalibration("none").fits_now
+    for bad in ("distil", "Distill"):
+        with pytest.raises(ConfigError) as err:
+            PopConfig(kv_calibration=bad)
+        assert "\n" not in str(err.value) and f"{bad} does not exist" in str(err.value)
+        assert "auto, none, distill, or a file" in str(err.value)
+    with pytest.raises(ConfigError, match="'distil' is not one of none, auto, distill, file"):
+        KVCalibration("distil")
+
+
+def test_export_distill_fits_then_distils_in_a_step_of_its_own(tiny_folder, tmp_path):
+    """kv_calibration distill: the ridge fit, then distill.distill_default on the built-in corpus (the tiny
+    tokenizer reads it as unknown words: the windows exist, the quality does not matter here); ~35 s."""
+    config = PopConfig(cut=2, kv_calibration="distill", max_seq=64, min_prompt_tokens=0)
+    seen: list[str] = []
+    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
+    assert seen == steps(config) and seen[:4] == ["load", "calibrate", "distill", "capture"]
+    recorded = EngineManifest.read(tmp_path / "engine").extra["kv_calibration"]
+    assert recorded == manifest.extra["kv_calibration"]
+    assert recorded["method"] == "distill" and recorded["cut"] == 2 and recorded["num_layers"] == LAYERS
+    assert recorded["tokens"] % 560 == 0  # the distillation windows: 512 prompt + 48 scored tokens each
+    assert "distill" not in steps(PopConfig(kv_calibration="auto"))
+
+
 @pytest.mark.parametrize("layers, config, cut", [
     (30, PopConfig(), 20), (6, PopConfig(), 4), (6, PopConfig(cut=6), 6), (6, PopConfig(prune_ratio=0.5), 3),
 ])

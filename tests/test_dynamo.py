@@ -208,6 +208,9 @@ def test_options_are_validated():
         PopOptions(prune_ratio=1.5)
     assert PopOptions.from_dict({"prune_ratio": 0.5}).resolve_cut(30) == 15
     assert PopOptions().resolve_cut(30) == 20
+    for mode, fix in (("auto", "--out FILE`"), ("distill", "--out FILE --method distill`")):  # minutes of fitting
+        with pytest.raises(ConfigError, match=f"kv_calibration='{mode}' fits at export time only.*{fix}"):
+            PopOptions(kv_calibration=mode)
 
 
 def test_backend_name_resolves_without_importing_popcompile():

@@ -18,11 +18,17 @@ from popcompile.tools.eval import report
 from popcompile.tools.eval import run
 from popcompile.tools.eval import scoring
 from popcompile.tools.eval import sweep
+from popcompile.config import DistillConfig
+from popcompile.distill import continuation_kl, default_windows
 from popcompile.errors import ConfigError
+from popcompile.models import LoadedModel, ModelSource
 from popcompile.reference import Variant
 from tiny import tiny_model
 
 LAYERS = 4
+#: pop-distill in tests: 30 steps (~2 s); lr 1e-4 as the tiny model's POP KL is ~2e-4 (the default 3e-4
+#: overshoots it: no held-out improvement, the ridge start is kept)
+DISTILL = DistillConfig(steps=30, lr=1e-4, eval_every=10)
 
 
 class CharTokenizer:
@@ -62,14 +68,27 @@ def _tiny_fit(model):
     return fit
 
 
+def _loaded(model) -> LoadedModel:
+    return LoadedModel(model, CharTokenizer(), ModelSource("tiny", "folder", "tiny", None))
+
+
+@pytest.fixture(scope="module")
+def fits(model):
+    """(ridge, distilled): cut -> K/V weights of the tiny llama from the built-in calibration corpus, as eval
+    makes them (scoring.default_kv_fit, scoring.default_distill_fit with DISTILL)."""
+    ridge = scoring.default_kv_fit(_loaded(model))
+    return ridge, scoring.default_distill_fit(_loaded(model), ridge, DISTILL)
+
+
 def test_pop_kvfit_needs_a_model_to_calibrate_on():
     with pytest.raises(ValueError, match="pop-kvfit needs a model"):
         scoring.make_variants(["pop-kvfit"], cut=2, num_layers=LAYERS)
 
 
-def test_every_variant_runs_on_continuation(model, docs):
+def test_every_variant_runs_on_continuation(model, docs, fits):
     # cut 2: with cut = L-1 the one pruned layer's input is h_{L-1} in POP too, so POP is exact there
-    variants = scoring.make_variants(scoring.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model))
+    variants = scoring.make_variants(scoring.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model),
+                                     distill_fit=fits[1])
     assert list(variants)[0] == "full" and set(variants) == set(scoring.VARIANTS)
     scores = scoring.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
     for name, s in scores.items():
@@ -78,6 +97,38 @@ def test_every_variant_runs_on_continuation(model, docs):
     assert scores["full"]["agreement"] == 1.0 and scores["full"]["kl_to_full"] == 0.0
     assert scores["pop"]["kl_to_full"] > 0 and scores["pop"]["nll"] != scores["full"]["nll"]
     assert scores["pop-kvfit"]["nll"] != scores["pop"]["nll"]  # the refit weights are really used
+    assert scores["pop-distill"]["nll"] not in (scores["pop"]["nll"], scores["pop-kvfit"]["nll"])
+
+
+def test_pop_distill_uses_the_ridge_fit_distilled_on_the_calibration_windows(model, fits):
+    ridge, distilled = fits
+    variants = scoring.make_variants(["pop-kvfit", "pop-distill"], cut=2, num_layers=LAYERS, kv_fit=ridge,
+                                     distill_fit=distilled)
+    r, d = variants["pop-kvfit"].kv_weights, variants["pop-distill"].kv_weights
+    assert set(r) == set(d) == {3} and d is distilled(2)  # made once per cut
+    moved = max(float((d[i][p].weight - r[i][p].weight).abs().max()) for i in r for p in r[i])
+    assert moved > 1e-4  # trained away from the ridge start (30 Adam steps of ~1e-4 each at most)
+    windows = default_windows(CharTokenizer())  # 512 prompt + 48 scored tokens, the held-out stdlib modules
+    assert windows.shape[1] == 560 and windows.shape[0] >= 16
+    kl_ridge, kl_distilled = (continuation_kl(model, windows[:16], 2, w) for w in (r, d))
+    assert kl_distilled < 0.97 * kl_ridge  # measured 0.92x (1.71e-4 -> 1.57e-4)
+    at_last = scoring.make_variants(["pop-distill"], cut=LAYERS - 1, num_layers=LAYERS, distill_fit=distilled)
+    assert at_last["pop-distill"].kv_weights is None  # cut L-1: the pruned layer reads h_{L-1} anyway
+    with pytest.raises(ValueError, match="pop-distill needs a model to calibrate on \\(give distill_fit\\)"):
+        scoring.make_variants(["pop-distill"], cut=2, num_layers=LAYERS, kv_fit=ridge)
+
+
+def test_eval_scores_pop_distill_with_the_configured_steps(model, fits, tmp_path):
+    config = eval_config.EvalConfig(tasks=("continuation",), variants=("pop", "pop-distill"), cut=2, limit=3,
+                                    prefix_len=24, cont_len=8, distill=DISTILL)
+    results = run.reference_eval(_loaded(model), "tiny", config)
+    assert results["variants"]["pop-distill"]["kv_refit"] and not results["variants"]["pop"]["kv_refit"]
+    got = results["tasks"]["continuation"]["variants"]
+    docs, _ = eval_data.continuation_documents(CharTokenizer(), 24, 8, 3)
+    same = scoring.continuation_eval(model, docs, scoring.make_variants(["pop-distill"], 2, LAYERS,
+                                                                        distill_fit=fits[1]))
+    assert got["pop-distill"]["nll"] == pytest.approx(same["pop-distill"]["nll"], rel=1e-6)  # the same weights
+    assert got["pop-distill"]["nll"] != pytest.approx(got["pop"]["nll"], rel=1e-6)
 
 
 def test_pop_at_full_depth_scores_exactly_like_full(model, docs):
@@ -138,6 +189,18 @@ def test_sweep_draws_both_curves_and_reuses_pop_where_nothing_is_refitted(model,
         sweep.sweep(model, docs[:1], variants=["pop-kvfit"])
     with pytest.raises(ValueError, match="the sweep runs"):
         sweep.sweep(model, docs[:1], variants=["shortgpt"])
+
+
+def test_sweep_draws_the_distilled_curve_on_request(model, docs, fits):
+    rows = sweep.sweep(model, docs[:3], variants=["pop-kvfit", "pop-distill"], kv_fit=fits[0], distill_fit=fits[1])
+    kvfit, distilled = rows[:3], rows[3:]
+    assert [(r["variant"], r["cut"]) for r in distilled] == [("pop-distill", 4), ("pop-distill", 3), ("pop-distill", 2)]
+    assert distilled[1]["nll"] == kvfit[1]["nll"]  # cut L-1: nothing to refit, both reuse pop's row
+    assert distilled[2]["nll"] != kvfit[2]["nll"]
+    with pytest.raises(ValueError, match="a pop-distill sweep needs distill_fit"):
+        sweep.sweep(model, docs[:1], variants=["pop-distill"], kv_fit=fits[0])
+    assert sweep.sweep_variant_names(None) == ["pop", "pop-kvfit"]  # a distillation per cut only when named
+    assert sweep.sweep_variant_names(["full", "pop-distill"]) == ["pop-distill"]
 
 
 def test_choose_cut_returns_the_deepest_cut_keeping_agreement(model):
@@ -254,18 +317,23 @@ def test_reports_and_plots(tmp_path):
                "sweep": {"documents": 2, "auto_cut": {"pop": {"0.95": 4}, "pop-kvfit": {"0.95": 3}}, "rows": [
                    {"variant": v, "cut": c, "pruned_layers": 4 - c, "speedup_bound": 1 + (4 - c) / 10,
                     "nll": 2.0 + (4 - c), "perplexity": 1.0, "agreement": 1 - (4 - c) / 10}
-                   for v in ("pop", "pop-kvfit") for c in (4, 3, 2)]}}
+                   for v in ("pop", "pop-kvfit", "pop-distill") for c in (4, 3, 2)]}}
     text = report.report(results)
     assert "pop-no-boundary" in text and "auto cut (pop-kvfit): agreement >= 0.95: 3" in text
-    assert "pop-kvfit agree" in text
+    assert "pop-kvfit agree" in text and "pop-distill agree" in text
+    assert list(results["tasks"]["continuation"]["variants"]) == [n for n in report._VARIANT_ORDER if n != "pop-carried"]
+    assert set(sweep.SWEEP_VARIANTS) <= set(report._CURVE_COLORS)
     report.plot_quality(results, tmp_path / "quality.png")
     report.plot_sweep(results, tmp_path / "sweep.png")
     assert (tmp_path / "quality.png").stat().st_size > 1000 and (tmp_path / "sweep.png").stat().st_size > 1000
     json.dumps(results)
 
 
-def test_cli_options_parse(tmp_path):
+def test_cli_options_parse(tmp_path, capsys):
     parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--help"])
+    assert "pop-distill" in capsys.readouterr().out
     args = parser.parse_args(["eval", "smollm2-135m", "--sweep", "--limit", "3", "--out", str(tmp_path)])
     assert args.handler is cmd_eval and args.sweep and args.limit == 3
     assert eval_config.parse_tasks(None, sweep_only=True) == ()
@@ -298,6 +366,7 @@ def test_cli_builds_one_eval_config(monkeypatch, tmp_path):
     ({"code_prompt": "markdown"}, "unknown HumanEval prompt format"),
     ({"tasks": (), "sweep": False}, "nothing to do"),
     ({"timeout": 0}, "--timeout must be > 0"),
+    ({"distill": 30}, "distill=30 is not a DistillConfig"),
 ])
 def test_eval_config_names_the_bad_option(options, message):
     with pytest.raises(ValueError, match=message):

@@ -12,7 +12,8 @@ from .common import add_cut_options, quiet_libraries
 def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="compare POP's quality with the full model and the ablations, or score an engine folder",
-        description="Score the variants (full, pop, pop-kvfit, pop-no-boundary, pop-no-kv, shortgpt) on the same real "
+        description="Score the variants (full, pop, pop-kvfit, pop-distill, pop-no-boundary, pop-no-kv, shortgpt) on the "
+                    "same real "
                     "data: teacher-forced continuation of stdlib/HumanEval sources, greedy chat generations, "
                     "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine itself "
                     "with onnxruntime: full (the decode graph on the whole prompt) and pop (its prefill graph at "
@@ -22,7 +23,8 @@ def register(sub) -> None:
     p.add_argument("--tasks", help="comma list of continuation, generation, humaneval, chat (default: "
                                    "continuation,generation; none with --sweep; chat: three-turn conversations, POP "
                                    "with the cache carried across turns vs re-prefilled, a model only)")
-    p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder)")
+    p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder; "
+                                      "pop-distill distils the pruned K/V for its cut first: minutes on CPU)")
     add_cut_options(p)
     p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
@@ -33,7 +35,8 @@ def register(sub) -> None:
                    help="HumanEval prompt: chat (the problem as a request under the chat template, code block "
                         "extracted), raw (the bare prompt to continue), auto (chat when the tokenizer has a template)")
     p.add_argument("--batch-size", type=int, help="documents per forward (default: by vocabulary size)")
-    p.add_argument("--sweep", action="store_true", help="continuation task for pop at every cut L..ceil(L/2)")
+    p.add_argument("--sweep", action="store_true", help="continuation task at every cut L..ceil(L/2) for pop and "
+                                                         "pop-kvfit (pop-distill too when in --variants: minutes per cut)")
     p.add_argument("--min-agreement", type=float, default=0.95, help="agreement for the sweep's auto cut (0.95)")
     p.add_argument("--allow-code-exec", action="store_true",
                    help="allow the humaneval task to execute model-written code (in a subprocess with a timeout)")

@@ -29,10 +29,11 @@ def register(sub) -> None:
                    help="with --cut auto (no --min-agreement): share of prefill importance the pruned layers may hold "
                         "(default: analyze's)")
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
-    p.add_argument("--kv-calibration", default="auto", metavar="{auto,none,FILE}",
+    p.add_argument("--kv-calibration", default="auto", metavar="{auto,none,distill,FILE}",
                    help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit now on "
                         "the built-in corpus, 2-5 min on CPU; better quality at no inference cost, docs/results.md), "
-                        "none (the paper's POP), or a file from `popcompile calibrate`")
+                        "distill (POP++: auto's fit, then trained on the output, KL(full || POP); minutes more on "
+                        "CPU), none (the paper's POP), or a file from `popcompile calibrate`")
     p.add_argument("--target", choices=list(TARGETS), default="onnx",
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU; vllm writes a folder that "
                         "`vllm serve` runs with POP, docs/vllm.md)")

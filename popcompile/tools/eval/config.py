@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...config import DistillConfig
 from ...errors import ConfigError, OutputError
 from ...fsutil import check_destination
 
@@ -41,6 +42,7 @@ class EvalConfig:
     provider: str | None = None              # engine folders only: onnxruntime provider
     threads: int | None = None               # engine folders only: onnxruntime intra-op threads
     force: bool = False                      # replace OUTPUT_FILES already in the output folder
+    distill: DistillConfig = DistillConfig()  # pop-distill: how its weights are distilled (tests: few steps)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))
@@ -65,6 +67,8 @@ class EvalConfig:
             raise ConfigError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
         if self.code_prompt not in PROMPT_FORMATS:
             raise ConfigError(f"unknown HumanEval prompt format {self.code_prompt!r}: use {', '.join(PROMPT_FORMATS)}")
+        if not isinstance(self.distill, DistillConfig):
+            raise ConfigError(f"distill={self.distill!r} is not a DistillConfig: give DistillConfig(steps=...)")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ConfigError(f"--timeout must be > 0, got {self.timeout}")
 

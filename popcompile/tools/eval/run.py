@@ -4,6 +4,8 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
 
     full             Variant(cut=L)                  nothing pruned
     pop              Variant(cut)                    POP as in the paper
+    pop-kvfit        Variant(cut, kv_weights=...)    POP+ (ridge refit of the deep K/V projections)
+    pop-distill      Variant(cut, kv_weights=...)    POP++ (that refit distilled on the output; minutes per cut)
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
@@ -13,7 +15,7 @@ after a prefilled prefix, and top-1 agreement with the full model), ``generation
 generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
 runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
 ``humaneval.py``), ``chat`` (three-turn conversations: POP with the cache carried across turns, as
-``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` at every cut
+``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` (and ``pop-distill`` when named) at every cut
 from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
 choice ``choose_cut``).
 
@@ -35,8 +37,8 @@ from .config import EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
 from .humaneval import humaneval_eval
 from .report import write_results
-from .scoring import (VARIANTS, continuation_eval, default_kv_fit, describe, make_variants, num_layers,
-                      reference_generation_task, timed)
+from .scoring import (REFITS, VARIANTS, continuation_eval, default_distill_fit, default_kv_fit, describe,
+                      make_variants, num_layers, reference_generation_task, timed)
 from .sweep import auto_cuts, sweep, sweep_cuts, sweep_variant_names
 
 
@@ -67,8 +69,11 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     layers = num_layers(model)
     cut = resolve_cut(layers, c.cut, c.prune_ratio)
     curves = sweep_variant_names(c.variants)
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if c.sweep and "pop-kvfit" in curves else ())
-    variants = make_variants(VARIANTS if c.variants is None else c.variants, cut, layers, kv_fit=kv_fit)
+    refit_curves = c.sweep and any(name in REFITS for name in curves)  # pop-distill starts from pop-kvfit's fit
+    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if refit_curves else ())
+    distill_fit = default_distill_fit(loaded, kv_fit, c.distill)
+    variants = make_variants(VARIANTS if c.variants is None else c.variants, cut, layers, kv_fit=kv_fit,
+                             distill_fit=distill_fit)
     results: dict[str, Any] = {
         "model": model_name, "model_type": model.config.model_type, "num_layers": layers, "cut": cut,
         "prefix_len": c.prefix_len, "cont_len": c.cont_len,
@@ -93,7 +98,7 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
             timeout=c.timeout, prompt_format=c.code_prompt)})
     if c.sweep:
         def run_sweep() -> dict:
-            rows = sweep(model, docs, batch_size=c.batch_size, variants=curves, kv_fit=kv_fit)
+            rows = sweep(model, docs, batch_size=c.batch_size, variants=curves, kv_fit=kv_fit, distill_fit=distill_fit)
             thresholds = {c.min_agreement, 0.9, 0.95, 0.99}
             return {"documents": len(docs), "rows": rows, "auto_cut": auto_cuts(rows, thresholds)}
         results["sweep"] = timed(run_sweep)

@@ -6,6 +6,7 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
     full             Variant(cut=L)                  nothing pruned
     pop              Variant(cut)                    POP as in the paper
     pop-kvfit        Variant(cut, kv_weights=...)    POP+ (K/V projections refitted, calibrate.py)
+    pop-distill      Variant(cut, kv_weights=...)    POP++ (pop-kvfit's weights distilled on the output, distill.py)
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
@@ -28,16 +29,25 @@ from . import data as eval_data
 
 @dataclass(frozen=True)
 class VariantContext:
-    """What a variant factory may use: the cut, the depth, and (lazily) a POP+ K/V fit for that cut."""
+    """What a variant factory may use: the cut, the depth, and (lazily) K/V weights for that cut, from
+    ``kv_fit`` (POP+, ridge) or ``distill_fit`` (POP++): cut -> {layer: {"k_proj"|"v_proj": Projection}}."""
 
     cut: int
     num_layers: int
-    kv_fit: Callable[[int], Any] | None = None  # cut -> {layer: {"k_proj"|"v_proj": Projection}}
+    kv_fit: Callable[[int], Any] | None = None
+    distill_fit: Callable[[int], Any] | None = None
 
     def fitted_kv(self) -> Any:
-        if self.kv_fit is None:
-            raise ValueError("variant pop-kvfit needs a model to calibrate on (give kv_fit)")
-        return self.kv_fit(self.cut) if self.cut < self.num_layers - 1 else None
+        return self._weights("pop-kvfit", self.kv_fit)
+
+    def distilled_kv(self) -> Any:
+        return self._weights("pop-distill", self.distill_fit)
+
+    def _weights(self, variant: str, fit: Callable[[int], Any] | None) -> Any:
+        # at cut >= L-1 nothing is refitted: layer L-1 reads h_{L-1} in the full model too
+        if fit is None:
+            raise ValueError(f"variant {variant} needs a model to calibrate on (give {REFITS[variant]})")
+        return fit(self.cut) if self.cut < self.num_layers - 1 else None
 
 
 #: name -> factory(VariantContext) -> Variant. Register new variants here.
@@ -45,10 +55,13 @@ VARIANTS: dict[str, Callable[[VariantContext], Variant]] = {
     "full": lambda c: Variant(cut=c.num_layers),
     "pop": lambda c: Variant(c.cut),
     "pop-kvfit": lambda c: Variant(c.cut, kv_weights=c.fitted_kv()),
+    "pop-distill": lambda c: Variant(c.cut, kv_weights=c.distilled_kv()),
     "pop-no-boundary": lambda c: Variant(c.cut, boundary=False),
     "pop-no-kv": lambda c: Variant(c.cut, kv_projection=False),
     "shortgpt": lambda c: Variant(c.cut, shortgpt=True),
 }
+#: the variants with refitted K/V weights -> the VariantContext field (and make_variants/sweep argument) they use
+REFITS = {"pop-kvfit": "kv_fit", "pop-distill": "distill_fit"}
 BASELINE = "full"
 
 
@@ -59,14 +72,14 @@ def register_variant(name: str, factory: Callable[[VariantContext], Variant]) ->
     VARIANTS[name] = factory
 
 
-def make_variants(names: Iterable[str], cut: int, num_layers: int,
-                  kv_fit: Callable[[int], Any] | None = None) -> dict[str, Variant]:
+def make_variants(names: Iterable[str], cut: int, num_layers: int, kv_fit: Callable[[int], Any] | None = None,
+                  distill_fit: Callable[[int], Any] | None = None) -> dict[str, Variant]:
     """``{name: Variant}`` for the named registry entries, the baseline ``full`` always first."""
     names = list(dict.fromkeys([BASELINE, *names]))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ConfigError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
-    context = VariantContext(cut, num_layers, kv_fit)
+    context = VariantContext(cut, num_layers, kv_fit, distill_fit)
     return {name: VARIANTS[name](context) for name in names}
 
 
@@ -93,6 +106,31 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
             with torch.no_grad(), _bar(sum(b.numel() for b in batches), f"calibrate {len(wanted)} cut(s)") as bar:
                 found = fit_kv_cuts(loaded.model, batches, wanted, progress=bar.update)
             fits.update({c: f.weights for c, f in found.items()})
+        return fits[cut]
+    return fit
+
+
+def default_distill_fit(loaded, kv_fit: Callable[[int], Any], config: Any = None) -> Callable[[int], Any]:
+    """cut -> POP++ weights: ``kv_fit(cut)`` (the ridge fit) distilled with ``config`` (a config.DistillConfig,
+    default its defaults; tests give few steps) on windows of the built-in calibration corpus, 560 tokens each
+    (prompt 512, 48 scored; distill.default_windows, disjoint from the evaluation data). Lazy, one run per cut."""
+    from ...calibrate import CalibrationInfo, KVFit
+    from ...config import DistillConfig
+    from ...distill import default_windows, distill_kv
+
+    config = DistillConfig() if config is None else config
+    layers = num_layers(loaded.model)
+    fits: dict[int, Any] = {}
+
+    def fit(cut: int):
+        if cut not in fits:
+            windows = default_windows(loaded.tokenizer)
+            init = KVFit(CalibrationInfo(cut, layers, 1e-3, 0, ""), kv_fit(cut))  # info: only cut/layers are read
+            with _bar(config.steps, f"distill cut {cut}") as bar:
+                def report(event) -> None:  # the training steps; the teacher pass over the windows is short
+                    if event.phase == "train":
+                        bar.update(event.done - bar.n)
+                fits[cut] = distill_kv(loaded.model, windows, init, config, progress=report).fit.weights
         return fits[cut]
     return fit
 

@@ -1,7 +1,7 @@
 """The trade-off curve: POP's quality at every cut against the FLOP bound, and the cut choice from it.
 
-``sweep`` runs the continuation task (``evaluate.continuation_eval``) for ``pop`` and/or ``pop-kvfit``
-at every cut from L down to ceil(L/2); each row carries the prefill FLOP-bound speedup of its cut at
+``sweep`` runs the continuation task (``evaluate.continuation_eval``) for ``pop``, ``pop-kvfit`` and/or
+``pop-distill`` (one distillation per cut: minutes each) at every cut from L down to ceil(L/2); each row carries the prefill FLOP-bound speedup of its cut at
 the prefix length. ``auto_cut`` picks the deepest-pruning cut that keeps a given top-1 agreement;
 ``choose_cut`` does both on the built-in evaluation data for ``popcompile export --cut auto``.
 """
@@ -16,7 +16,12 @@ from ...config import KVCalibration
 from ...errors import ConfigError
 from ...reference import Variant
 
-SWEEP_VARIANTS = ("pop", "pop-kvfit")
+SWEEP_VARIANTS = ("pop", "pop-kvfit", "pop-distill")
+#: the curves ``--sweep`` draws when no variants are named: pop-distill (a distillation per cut) only on request
+DEFAULT_SWEEP = ("pop", "pop-kvfit")
+#: kv_calibration mode -> the variant choose_cut scores. distill is chosen on its ridge start (pop-kvfit): a
+#: distillation per cut would take hours, and the distilled weights start from that fit
+CHOICE_VARIANT = {"none": "pop", "auto": "pop-kvfit", "distill": "pop-kvfit"}
 METRICS = ("nll", "perplexity", "agreement", "accuracy", "kl_to_full")
 DATA_NAME = "continuation: stdlib sources + HumanEval solutions (eval_data.continuation_documents)"
 
@@ -27,26 +32,30 @@ def sweep_cuts(num_layers: int) -> list[int]:
 
 
 def _sweep_variants(names: Iterable[str], cuts: list[int], layers: int,
-                    kv_fit: Callable[[int], Any] | None) -> tuple[dict[str, Variant], dict[tuple[str, int], str]]:
-    """Unique variants to score and (name, cut) -> key of its scores. pop-kvfit at cut >= L-1 has
-    nothing to refit (layer L-1 reads h_{L-1} anyway), so it reuses pop's row of that cut."""
+                    fits: dict[str, Callable[[int], Any] | None]) -> tuple[dict[str, Variant], dict[tuple[str, int], str]]:
+    """Unique variants to score and (name, cut) -> key of its scores. ``fits``: refitted variant -> cut -> its
+    K/V weights (scoring.REFITS). A refit at cut >= L-1 has nothing to change (layer L-1 reads h_{L-1}
+    anyway), so it reuses pop's row of that cut."""
+    from .scoring import REFITS
+
     variants, keys = {"full": Variant(cut=layers)}, {}
     for name in names:
         if name not in SWEEP_VARIANTS:
             raise ConfigError(f"the sweep runs {', '.join(SWEEP_VARIANTS)}, not {name!r}")
-        if name == "pop-kvfit" and kv_fit is None:
-            raise ConfigError("a pop-kvfit sweep needs kv_fit (cut -> POP+ weights)")
+        if name in REFITS and fits.get(name) is None:
+            raise ConfigError(f"a {name} sweep needs {REFITS[name]} (cut -> its K/V weights)")
         for cut in cuts:
-            refit = name == "pop-kvfit" and cut < layers - 1
+            refit = name in REFITS and cut < layers - 1
             key = f"{name}@{cut}" if refit else f"pop@{cut}"
             if key not in variants:
-                variants[key] = Variant(cut, kv_weights=kv_fit(cut)) if refit else Variant(cut)
+                variants[key] = Variant(cut, kv_weights=fits[name](cut)) if refit else Variant(cut)
             keys[(name, cut)] = key
     return variants, keys
 
 
 def sweep(model, docs: list[eval_data.Document], cuts: list[int] | None = None, batch_size: int | None = None,
-          variants: Iterable[str] = ("pop",), kv_fit: Callable[[int], Any] | None = None) -> list[dict]:
+          variants: Iterable[str] = ("pop",), kv_fit: Callable[[int], Any] | None = None,
+          distill_fit: Callable[[int], Any] | None = None) -> list[dict]:
     """One row per (variant, cut): the continuation scores and ``speedup_bound`` (FLOP bound at the
     prefix length), in the order of ``variants`` then ``cuts`` (default L..ceil(L/2))."""
     from ...cost import speedup_bound
@@ -56,7 +65,7 @@ def sweep(model, docs: list[eval_data.Document], cuts: list[int] | None = None, 
     layers = len(decoder_layers(model))
     cuts = sweep_cuts(layers) if cuts is None else list(cuts)
     names = list(dict.fromkeys(variants))
-    to_score, keys = _sweep_variants(names, cuts, layers, kv_fit)
+    to_score, keys = _sweep_variants(names, cuts, layers, {"pop-kvfit": kv_fit, "pop-distill": distill_fit})
     scores = continuation_eval(model, docs, to_score, batch_size, desc="sweep")
     n = len(docs[0].prefix)
     return [{"variant": name, "cut": c, "pruned_layers": layers - c, "speedup_bound": speedup_bound(model.config, n, c),
@@ -98,8 +107,8 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibratio
 
     ``model``: a shipped name / path (loaded here) or a ``models.LoadedModel``. ``kv_calibration``
     (config.KVCalibration or what it takes): auto scores ``pop-kvfit`` (POP+ weights fitted on the built-in
-    calibration corpus, every cut in one pass) instead of ``pop``, as the engine will be exported; a file,
-    fitted for one cut, cannot be swept (ConfigError).
+    calibration corpus, every cut in one pass) instead of ``pop``, as the engine will be exported; distill
+    scores pop-kvfit too (CHOICE_VARIANT); a file, fitted for one cut, cannot be swept (ConfigError).
     Cost: one continuation pass per cut L..ceil(L/2) over ``limit`` documents (SmolLM2, 12 documents:
     about 10 minutes on 2 CPU cores). Raises ValueError when no cut reaches the agreement.
     """
@@ -112,12 +121,12 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibratio
     kv = KVCalibration.of(kv_calibration)
     if kv.mode == "file":
         raise ConfigError(f"the cut sweep fits POP+ for every cut itself; {kv.path} was fitted for one cut: "
-                          "give kv_calibration auto or none")
+                          "give kv_calibration auto, distill or none")
     loaded = load_model(model) if isinstance(model, (str, Path)) else model
     layers = len(decoder_layers(loaded.model))
     docs, _ = eval_data.continuation_documents(loaded.tokenizer, prefix_len, cont_len, limit)
-    name = "pop-kvfit" if kv.mode == "auto" else "pop"
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers)) if kv.mode == "auto" else None
+    name = CHOICE_VARIANT[kv.mode]
+    kv_fit = default_kv_fit(loaded, sweep_cuts(layers)) if name == "pop-kvfit" else None
     rows = sweep(loaded.model, docs, batch_size=batch_size, variants=[name], kv_fit=kv_fit)
     cut = auto_cut(rows, min_agreement, name)
     row = next(r for r in rows if r["cut"] == cut)
@@ -131,6 +140,7 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibratio
 
 
 def sweep_variant_names(variant_names: Iterable[str] | None) -> list[str]:
-    """The curves of ``--sweep``: pop and pop-kvfit among the chosen variants (pop when neither is)."""
-    chosen = [n for n in SWEEP_VARIANTS if variant_names is None or n in variant_names]
+    """The curves of ``--sweep``: the SWEEP_VARIANTS among the chosen variants (DEFAULT_SWEEP when none are
+    named; pop when none of them is chosen)."""
+    chosen = [n for n in SWEEP_VARIANTS if n in (DEFAULT_SWEEP if variant_names is None else variant_names)]
     return chosen or ["pop"]
