@@ -292,7 +292,10 @@ def test_second_export_fails_at_once_and_sigterm_leaves_nothing(hf, tmp_path, ca
 
 
 _SIGNAL_IN_IMPORT = """
-import sys, time
+import signal, sys, time
+# as in a foreground interpreter: a suite started in the background (`cmd &`) hands its children SIGINT ignored,
+# which _signals_raise rightly leaves alone
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 from popcompile.cli import Terminated, _signals_raise
 start = time.monotonic()
