@@ -80,12 +80,12 @@ def _occurrences(graphs: Mapping[str, onnx.ModelProto], groups: dict[str, list[l
     """weight digest -> the places it occurs in: (graph, group) for a projection, (graph, node) for any other
     reader, so a weight read elsewhere too is never packed with another."""
     where: dict[str, set] = defaultdict(set)
-    grouped = {}
+    grouped: set[int] = set()  # id() of the projection nodes
     for name, members_list in groups.items():
         for index, members in enumerate(members_list):
             for member in members:
                 where[member.digest].add((name, "group", index))
-                grouped[id(member.node)] = True
+                grouped.add(id(member.node))
     for name, proto in graphs.items():
         weights = _weights(proto.graph)
         for index, node in enumerate(proto.graph.node):
