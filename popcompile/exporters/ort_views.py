@@ -38,14 +38,6 @@ def drop_round_trip_views(proto: onnx.ModelProto) -> int:
     return moved
 
 
-def _consumers(graph: onnx.GraphProto) -> dict[str, int]:
-    count: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            count[name] = count.get(name, 0) + 1
-    return count
-
-
 def _cancelling_transposes(graph: onnx.GraphProto) -> dict[str, str]:
     """y -> x for every ``y = Transpose(Transpose(x, p), q)`` with q∘p the identity."""
     producer = {out: node for node in graph.node for out in node.output}
