@@ -121,16 +121,17 @@ def default_distill_fit(loaded, kv_fit: Callable[[int], Any], config: Any = None
     config = DistillConfig() if config is None else config
     layers = num_layers(loaded.model)
     fits: dict[int, Any] = {}
+    windows: list = []  # the corpus, tokenized at the first cut asked for and reused for the others
 
     def fit(cut: int):
         if cut not in fits:
-            windows = default_windows(loaded.tokenizer)
+            windows[:] = windows or [default_windows(loaded.tokenizer)]
             init = KVFit(CalibrationInfo(cut, layers, 1e-3, 0, ""), kv_fit(cut))  # info: only cut/layers are read
             with _bar(config.steps, f"distill cut {cut}") as bar:
                 def report(event) -> None:  # the training steps; the teacher pass over the windows is short
                     if event.phase == "train":
                         bar.update(event.done - bar.n)
-                fits[cut] = distill_kv(loaded.model, windows, init, config, progress=report).fit.weights
+                fits[cut] = distill_kv(loaded.model, windows[0], init, config, progress=report).fit.weights
         return fits[cut]
     return fit
 
