@@ -112,13 +112,17 @@ def test_cut_at_depth_equals_plain_generate():
         assert (got - want[0]).abs().max() < TOL
 
 
-def test_kv_calibration_equals_pop_plus_reference(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_kv_calibration_equals_pop_plus_reference(tmp_path, arch):
+    """qwen2: k/v projections with a bias; llama: a fitted bias on projections that have none (x_N's row keeps
+    the model's own projection, passes/boundary.py)."""
     from popcompile.calibrate import fit_kv, save_fit
 
-    model, ids, cut = tiny_model("qwen2", layers=6), prompt(), 3  # qwen2: k/v projections with a bias
+    model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
     batches = [torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     with torch.no_grad():
-        fit = fit_kv(model, batches, cut)
+        fit = fit_kv(model, batches, cut, bias=True)
+    assert all(p.bias is not None for parts in fit.weights.values() for p in parts.values())
     save_fit(fit, tmp_path / "fit.safetensors")
     backend = PopBackend(PopOptions(cut=cut, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors"),
                                     min_prompt_tokens=ALWAYS))

@@ -69,9 +69,11 @@ def test_cut_equal_to_layers_is_the_full_model():
     assert greedy_with_graphs(pair, prompt, 5) == full
 
 
-def test_kv_weights_serve_the_pruned_rows_and_x_n_keeps_the_models_own():
-    """POP+ folded: rows 1..N-1 of layer 3 from the refit weights, row N from the model's (its true input)."""
-    model = tiny_model("qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_kv_weights_serve_the_pruned_rows_and_x_n_keeps_the_models_own(arch):
+    """POP+ folded: rows 1..N-1 of layer 3 from the refit weights, row N from the model's (its true input).
+    llama: a fitted k bias on a projection the model has without one; x_N's row keeps no bias."""
+    model = tiny_model(arch)
     torch.manual_seed(1)
     layer = model.get_decoder().layers[3].self_attn
     weights = {3: {"k_proj": Projection(torch.randn_like(layer.k_proj.weight), torch.randn(32)),
@@ -85,6 +87,8 @@ def test_kv_weights_serve_the_pruned_rows_and_x_n_keeps_the_models_own():
     torch.testing.assert_close(logits, step_logits, atol=ATOL, rtol=0)
     for whole, rows, last in zip(kv, head, step_kv):
         torch.testing.assert_close(whole, torch.cat([rows, last], dim=2), atol=ATOL, rtol=0)
+    cache = reference.prefill_cache(model, prompt[:, :-1], CUT, kv_weights=weights)  # the separate prefill's rows
+    torch.testing.assert_close(head[2 * 3], cache.layers[3].keys, atol=ATOL, rtol=0)
 
 
 def test_unknown_boundary_is_a_clear_error():

@@ -66,6 +66,22 @@ def test_pop_plus_weights_are_written_under_the_names_the_plugin_loads(hf, tmp_p
     assert torch.equal(tensors["pop_kv.layers.3.k_proj.weight"], expected[3]["k_proj"].weight)
 
 
+def test_a_fitted_bias_is_written_where_the_model_has_none(hf, tmp_path):
+    """calibrate's default fits a k/v bias for llama too: the plugin's PopKV then builds every pair with a bias
+    (zero where none is loaded) and loads these tensors over it (vllm_plugin/model.py)."""
+    from popcompile.calibrate import CalibrationInfo, KVFit, save_fit
+    from popcompile.passes.pop import Projection
+
+    plain = load_fit(fit_file(tmp_path / "plain.safetensors", cut=2, layers=range(3, LAYERS), value=0.25))
+    weights = {i: {part: Projection(p.weight, torch.full((p.weight.shape[0],), 0.5)) for part, p in parts.items()}
+               for i, parts in plain.weights.items()}
+    save_fit(KVFit(CalibrationInfo(**{**plain.info.__dict__, "bias": True}), weights), tmp_path / "fit.safetensors")
+    export(hf, tmp_path / "served", "--kv-calibration", str(tmp_path / "fit.safetensors"), cut=2)
+    tensors = load_file(tmp_path / "served" / KV_WEIGHTS_FILE)
+    assert sorted(tensors) == [f"pop_kv.layers.3.{p}.{n}" for p in ("k_proj", "v_proj") for n in ("bias", "weight")]
+    assert torch.equal(tensors["pop_kv.layers.3.v_proj.bias"], weights[3]["v_proj"].bias)
+
+
 def test_force_replaces_a_vllm_folder_and_run_refuses_one(hf, tmp_path, capsys):
     out = tmp_path / "served"
     export(hf, out, "--kv-calibration", "none")

@@ -7,6 +7,10 @@ quantised, so that a decode step dispatches one weight-streaming kernel where it
                          ├─ MatMul(Wk [K,Nk]) ─ k                                                                   ├─ k
                          └─ MatMul(Wv [K,Nv]) ─ v                                                                   └─ v
 
+A bias (Qwen2's q/k/v; a POP+ fit's k/v bias, calibrate.py) follows each MatMul as ``Add(y, b [N])``. Where every
+member of a part has one, the biases are packed too: ``MatMul([W1|W2]) ─ Add([b1|b2]) ─ Split``, one Add per part
+instead of one per member; a part where some member has none keeps its Adds after the Split.
+
 Sharing decides the groups. ``write_shared`` stores each distinct tensor once; a packed weight is a new tensor,
 so packing pays only where every graph that reads a part reads it inside the same group. The folded prefill
 graph's pruned layers read k/v over the prompt (from h_cut, or h_l on x_N's row) and q over x_N's row alone:
@@ -106,32 +110,83 @@ def _split_by_occurrence(members: list[_Member], where: dict) -> list[list[_Memb
 
 
 def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]]) -> int:
-    """Each planned part's packed MatMul and Split stand where its first member stood; the parts' weights go."""
+    """Each planned part's packed MatMul (Add) and Split stand where its first member stood; the parts' weights
+    (and bias Adds) go. The Split's outputs are produced earlier than the Adds' were: still before every reader."""
     if not plan:
         return 0
     weights = _weights(graph)
+    context = _Context.of(graph)
+    adds = [_bias_adds([m.node for m in part], context) for part in plan]
     part_of = {id(member.node): index for index, part in enumerate(plan) for member in part}
+    dropped = {id(add) for found in adds if found for add, _ in found}
     nodes, done = [], set()
     for node in graph.node:
         index = part_of.get(id(node))
+        if id(node) in dropped:
+            continue
         if index is None:
             nodes.append(node)
         elif index not in done:
             done.add(index)
-            nodes += _packed([m.node for m in plan[index]], weights, graph, index)
+            nodes += _packed([m.node for m in plan[index]], weights, graph, index, adds[index])
     del graph.node[:]
     graph.node.extend(nodes)
     drop_dead(graph)
     return len(plan)
 
 
-def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int) -> list:
-    """One MatMul over the members' weights side by side, and the Split that gives each member its output."""
+def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int, adds: list | None) -> list:
+    """One MatMul over the members' weights side by side ([K, N1+N2+..]), with ``adds`` one Add of their biases
+    side by side ([N1+N2+..]), and the Split that gives each member (or its Add) its output."""
     arrays = [numpy_helper.to_array(weights[node.input[1]]) for node in members]
     name = f"{_PREFIX}/{index}"
     graph.initializer.extend([numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight"),
                               numpy_helper.from_array(np.array([a.shape[1] for a in arrays], np.int64),
                                                       f"{name}/split")])
-    return [helper.make_node("MatMul", [members[0].input[0], f"{name}/weight"], [f"{name}/out"], name=f"{name}/matmul"),
-            helper.make_node("Split", [f"{name}/out", f"{name}/split"], [node.output[0] for node in members],
-                             name=f"{name}/split", axis=-1)]
+    nodes = [helper.make_node("MatMul", [members[0].input[0], f"{name}/weight"], [f"{name}/out"], name=f"{name}/matmul")]
+    source, outputs = f"{name}/out", [node.output[0] for node in members]
+    if adds is not None:
+        initializers = {t.name: t for t in graph.initializer if len(t.dims) == 1}
+        biases = [numpy_helper.to_array(initializers[bias]) for _, bias in adds]
+        graph.initializer.append(numpy_helper.from_array(np.concatenate(biases), f"{name}/bias"))
+        nodes.append(helper.make_node("Add", [source, f"{name}/bias"], [f"{name}/biased"], name=f"{name}/add"))
+        source, outputs = f"{name}/biased", [add.output[0] for add, _ in adds]
+    return nodes + [helper.make_node("Split", [source, f"{name}/split"], outputs, name=f"{name}/split", axis=-1)]
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What ``_bias_adds`` looks up, made once per graph before the rewrite."""
+
+    readers: dict  # value name -> the nodes that read it
+    outputs: frozenset  # graph output names
+    biases: dict  # name -> 1-D float initializer
+    weights: dict  # name -> 2-D float initializer
+
+    @classmethod
+    def of(cls, graph: onnx.GraphProto) -> "_Context":
+        readers: dict[str, list] = defaultdict(list)
+        for node in graph.node:
+            for name in node.input:
+                readers[name].append(node)
+        biases = {t.name: t for t in graph.initializer if len(t.dims) == 1 and t.data_type in _FLOATS}
+        return cls(readers, frozenset(o.name for o in graph.output), biases, _weights(graph))
+
+
+def _bias_adds(members: list, context: _Context) -> list | None:
+    """(the ``Add(y, b)`` each member's output y goes to alone, b's name), b a 1-D float initializer [N] of the
+    member's N columns and dtype, in member order; None unless every member has one (then its Adds stay)."""
+    adds = []
+    for node in members:
+        y, found = node.output[0], context.readers.get(node.output[0], [])
+        if y in context.outputs or len(found) != 1 or found[0].op_type != "Add" or found[0].domain not in ("", "ai.onnx"):
+            return None
+        add, weight = found[0], context.weights[node.input[1]]
+        other = [name for name in add.input if name != y]
+        if len(add.input) != 2 or len(other) != 1 or other[0] not in context.biases:
+            return None
+        bias = context.biases[other[0]]
+        if list(bias.dims) != [weight.dims[1]] or bias.data_type != weight.data_type:
+            return None
+        adds.append((add, other[0]))
+    return adds

@@ -83,13 +83,15 @@ class PopKV(nn.Module):
     [L - cut, T, H_kv * D], k RoPE'd. The projections are copies of the model's own ``k_proj``/``v_proj``
     (POP), replaced by the fitted ones of settings.KV_WEIGHTS_FILE where it has them (POP+: layers
     cut+1..L-1; layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear
-    layers repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced."""
+    layers repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced. ``fitted``: POP+ weights
+    will be loaded; a fit may carry a bias where the model's projections have none (calibrate.py, ``bias=True``),
+    so every pair then has one, zero until a fitted or stock bias is loaded over it."""
 
     def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, cut: int,
-                 k_norm: Callable[[nn.Module], nn.Module | None]):
+                 k_norm: Callable[[nn.Module], nn.Module | None], fitted: bool = False):
         super().__init__()
         self.cut = cut
-        self.layers = nn.ModuleList(_kv_pair(layer.self_attn) for layer in model.layers[cut:])
+        self.layers = nn.ModuleList(_kv_pair(layer.self_attn, fitted) for layer in model.layers[cut:])
         self.deep = model.layers[cut:]  # the stock layers: input_layernorm, rotary_emb, k_norm
         self.k_norms = [k_norm(layer.self_attn) for layer in self.deep]
 
@@ -128,11 +130,16 @@ class PopKV(nn.Module):
         return f"layers.{layer - self.cut}.{parts[-2]}.{parts[-1]}" if layer >= self.cut else None
 
 
-def _kv_pair(self_attn: nn.Module) -> nn.Module:
-    hidden, bias = self_attn.qkv_proj.input_size, self_attn.qkv_proj.bias is not None
+def _kv_pair(self_attn: nn.Module, fitted: bool) -> nn.Module:
+    """k_proj, v_proj [kv_size, hidden]: with a bias where the model has one or POP+ weights may bring one
+    (zero-initialised: a layer the fit leaves alone, e.g. layer ``cut``, must add nothing)."""
+    hidden, bias = self_attn.qkv_proj.input_size, fitted or self_attn.qkv_proj.bias is not None
     pair = nn.Module()
     pair.k_proj = nn.Linear(hidden, self_attn.kv_size, bias=bias)
     pair.v_proj = nn.Linear(hidden, self_attn.kv_size, bias=bias)
+    if bias:
+        for linear in (pair.k_proj, pair.v_proj):
+            nn.init.zeros_(linear.bias)
     return pair
 
 

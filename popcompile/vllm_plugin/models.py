@@ -58,7 +58,8 @@ def _units(model, vllm_config, prefix: str, settings: PopSettings, k_norm) -> Po
     with set_model_tag("pop_shallow"):
         shallow = PopShallow(vllm_config=vllm_config, prefix=f"{prefix}pop_shallow", model=model, first=0, last=cut)
     with set_model_tag("pop_kv"):
-        kv = PopKV(vllm_config=vllm_config, prefix=f"{prefix}pop_kv", model=model, cut=cut, k_norm=k_norm)
+        kv = PopKV(vllm_config=vllm_config, prefix=f"{prefix}pop_kv", model=model, cut=cut, k_norm=k_norm,
+                   fitted=settings.kv_weights is not None)
     with set_model_tag("pop_deep"):
         deep = PopDeep(vllm_config=vllm_config, prefix=f"{prefix}pop_deep", model=model, first=cut, last=layers)
     return PopStack(model=model, shallow=shallow, kv=kv, deep=deep, cut=cut)
