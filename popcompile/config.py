@@ -202,7 +202,7 @@ class DistillConfig:
     every ``eval_every`` steps; stop after ``patience`` scores without improvement."""
 
     steps: int = 900
-    lr: float = 3e-4
+    lr: float = 1e-4  # 3e-4 never beat the ridge fit on Gemma 3 (docs/results.md, POP++)
     seed: int = 0
     continuation: int = 48
     held_out: float = 0.125

@@ -40,8 +40,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .arch import arch_spec
-from .calibrate import (PARTS, KVFit, check_finite, check_fit, check_fit_shapes, default_batches, fit_kv,
-                        load_fit)
+from .calibrate import (PARTS, CutMoments, KVFit, check_finite, check_fit, check_fit_shapes, default_batches,
+                        fit_kv_cuts, load_fit)
 from .capture import cache_keyword
 from .config import DistillConfig, KVCalibration
 from .errors import ConfigError, InputError, UnsupportedModelError
@@ -73,6 +73,7 @@ class DistillResult:
     best_step: int        # the step ``fit`` was taken at (0: the init)
     steps_run: int        # steps done before the end or the early stop
     held_out: tuple[int, ...]  # the windows (rows of ``windows``) scored for early stopping, never trained on
+    init: KVFit           # the fit training started from (ridge_then_distill's ridge fit)
 
 
 @dataclass(frozen=True)
@@ -118,29 +119,32 @@ def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
 
 
 @torch.no_grad()
-def _run_window(model, ids: torch.Tensor, cut: int, continuation: int):
+def _run_window(model, ids: torch.Tensor, cut: int, continuation: int, moments: CutMoments | None = None):
     """The full model over one window ``ids`` [1, T] in two forwards (pruned rows, then the C scored rows);
-    returns (h_cut, h_in, teacher, geometry) as in the module docstring."""
+    returns (h_cut, h_in, teacher, geometry) as in the module docstring. With ``moments``, the deep layers'
+    inputs over rows 0..T-2 also go into the ridge fit's statistics: its forward is this one."""
     layers, norm = model.get_decoder().layers, model.get_decoder().norm
     deep = {i: layers[i] for i in range(cut, len(layers))}
     rows, cache = ids.shape[1] - continuation - 1, DynamicCache()
     with _recorded_calls(deep) as calls:
         _forward(model, ids[:, :rows], cache, 0)
-    h_cut = _hidden(calls[cut])
+    pruned = {i: _hidden(call) for i, call in calls.items()}  # [1, P, d] per deep layer
     prefix_rope = {i: tuple(kwargs["position_embeddings"]) for i, (_, kwargs) in calls.items()}
     with _recorded_calls({**deep, -1: norm}) as calls:
         _forward(model, ids[:, rows:-1], cache, rows)
     teacher = _hidden(calls.pop(-1))
+    if moments is not None:
+        moments.add({i: torch.cat([pruned[i], _hidden(call)], dim=1)[0] for i, call in calls.items()}, ids[:, :-1])
     layer_kwargs = {i: kwargs for i, (_, kwargs) in calls.items()}
-    return h_cut, _hidden(calls[cut]), teacher, _Geometry(layer_kwargs, prefix_rope)
+    return pruned[cut], _hidden(calls[cut]), teacher, _Geometry(layer_kwargs, prefix_rope)
 
 
 def _precompute(model, windows: torch.Tensor, cut: int, continuation: int,
-                report: Callable[[int], None]) -> _Windows:
+                report: Callable[[int], None], moments: CutMoments | None = None) -> _Windows:
     """``_run_window`` over every window [W, T]; the geometry is the first window's (all share one length)."""
     runs, geometry = [], None
     for i in range(windows.shape[0]):
-        *tensors, found = _run_window(model, windows[i:i + 1], cut, continuation)
+        *tensors, found = _run_window(model, windows[i:i + 1], cut, continuation, moments)
         runs.append(tensors)
         geometry = geometry or found
         report(i + 1)
@@ -280,9 +284,9 @@ def _train(model, data: _Windows, weights: Weights, train: torch.Tensor, held: t
 
 
 def check_cut(cut: int, num_layers: int) -> None:
-    """ConfigError unless some layer past ``cut`` has K/V to distil (layer ``cut`` keeps its own)."""
+    """ConfigError unless some layer past ``cut`` has K/V to fit or distil (layer ``cut`` keeps its own)."""
     if not 1 <= cut <= num_layers - 2:
-        raise ConfigError(f"cut={cut} of {num_layers} layers leaves no K/V to distil (layer {cut} reads h_cut in "
+        raise ConfigError(f"cut={cut} of {num_layers} layers leaves no K/V to fit (layer {cut} reads h_cut in "
                           f"the full model too and keeps its own): use a cut in 1..{num_layers - 2} (--cut)")
 
 
@@ -332,18 +336,40 @@ def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig 
     check_fit_shapes(init, model)
     check_cut(init.info.cut, init.info.num_layers)
     _check_windows(windows, config)
-    train, held = _split(windows.shape[0], config)
-    report = progress or (lambda event: None)
-    count = windows.shape[0]
-    data = _precompute(model, windows, init.info.cut, config.continuation,
-                       lambda done: report(DistillProgress("teacher", done, count)))
+    split, report = _split(windows.shape[0], config), progress or (lambda event: None)
+    data = _precompute(model, windows, init.info.cut, config.continuation, _teacher_report(report, windows))
+    return _distilled(model, data, windows, init, split, config, report)
+
+
+def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillConfig = DistillConfig(), *,
+                       ridge: float = 1e-3, bias: bool = True,
+                       progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
+    """``distill_kv`` from the ridge fit (calibrate.fit_kv_cuts) on the same windows [W, T], both from one
+    full-model pass: the ridge fit's statistics are taken from the forward the distillation precomputes
+    (rows 0..T-2 of each window), which saves a full forward over the corpus."""
+    check_cut(cut, model.config.num_hidden_layers)
+    _check_windows(windows, config)
+    split, report = _split(windows.shape[0], config), progress or (lambda event: None)
+    moments = CutMoments(model, [cut], ridge=ridge, bias=bias)
+    data = _precompute(model, windows, cut, config.continuation, _teacher_report(report, windows), moments)
+    return _distilled(model, data, windows, moments.fits()[cut], split, config, report)
+
+
+def _teacher_report(report: Callable[[DistillProgress], None], windows: torch.Tensor) -> Callable[[int], None]:
+    return lambda done: report(DistillProgress("teacher", done, windows.shape[0]))
+
+
+def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit, split: tuple[torch.Tensor, torch.Tensor],
+               config: DistillConfig, report: Callable[[DistillProgress], None]) -> DistillResult:
+    """Train ``init``'s weights on the precomputed ``data`` of ``windows``, split (train, held out)."""
+    train, held = split
     weights = _trainable(init.weights)
     with _frozen(model):
         initial, best, steps = _train(model, data, weights, train, held, config, report)
     digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
     info = replace(init.info, tokens=windows.numel(), corpus_sha256=digest, method="distill")
     fit = check_finite(KVFit(info, best.weights), "the distilled fit")
-    return DistillResult(fit, initial, best.kl, best.step, steps, tuple(held.tolist()))
+    return DistillResult(fit, initial, best.kl, best.step, steps, tuple(held.tolist()), init)
 
 
 def default_windows(tokenizer, *, seq_len: int = DEFAULT_SEQ_LEN, max_tokens: int = 65536) -> torch.Tensor:
@@ -356,12 +382,6 @@ def default_windows(tokenizer, *, seq_len: int = DEFAULT_SEQ_LEN, max_tokens: in
     return torch.cat(batches)
 
 
-def distill_default(model, tokenizer, init: KVFit, config: DistillConfig = DistillConfig(),
-                    progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
-    """``distill_kv`` of ``init`` on ``default_windows`` (what export's and eval's distill modes run)."""
-    return distill_kv(model, default_windows(tokenizer), init, config, progress)
-
-
 # --- every entry point's K/V weights -----------------------------------------------------------
 
 def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
@@ -370,7 +390,7 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
     here, not in calibrate.py, because distill.py builds on calibrate.py (no import cycle).
 
     none: plain POP (None). auto: fitted now on the built-in corpus (needs ``tokenizer``). distill: auto's
-    fit, then distilled on windows of the same corpus (distill_default, minutes; ``step("distill")``
+    fit, then distilled on windows of the same corpus (ridge_then_distill, minutes; ``step("distill")``
     is reported before it starts). file: the fit read from it (or ``fit``, read earlier by ``read_fit``),
     checked against ``cut`` and the model's shapes. None as well when ``cut`` prunes nothing."""
     kv = KVCalibration.of(kv)
@@ -390,11 +410,11 @@ DISTILL_STEP = "distill"
 
 
 def _fit_now(model: torch.nn.Module, tokenizer, cut: int, mode: str, step: Callable[[str], None]) -> KVFit:
-    """auto: the ridge fit on the built-in corpus; distill: that fit distilled (distill.py), unless it has no
-    layer to distil (cut L-1: that layer reads h_cut in the full model too; the fit stays ridge's, empty)."""
+    """auto: the ridge fit on the built-in corpus; distill: the ridge fit and its distillation from one pass over
+    the corpus's windows (``ridge_then_distill``), unless no layer is left to distil (cut L-1: that layer reads
+    h_cut in the full model too; the fit is ridge's, empty)."""
+    if mode == "distill" and cut < model.config.num_hidden_layers - 1:
+        step(DISTILL_STEP)
+        return ridge_then_distill(model, default_windows(tokenizer), cut).fit
     with torch.no_grad():
-        fit = fit_kv(model, default_batches(tokenizer), cut)
-    if mode != "distill" or not fit.weights:
-        return fit
-    step(DISTILL_STEP)
-    return distill_default(model, tokenizer, fit).fit
+        return fit_kv_cuts(model, default_batches(tokenizer), [cut])[cut]

@@ -14,10 +14,11 @@ from tiny_engine import tiny_tokenizer
 
 from popcompile import reference
 from popcompile.arch import ARCHITECTURES
-from popcompile.calibrate import KVFit, fit_kv, load_fit, save_fit
+from popcompile.calibrate import KVFit, fit_kv, fit_kv_cuts, load_fit, save_fit
 from popcompile.cli import main
 from popcompile.config import DistillConfig
-from popcompile.distill import _own_projections, continuation_kl, distill_kv, pop_continuation_logits
+from popcompile.distill import (_own_projections, continuation_kl, distill_kv, pop_continuation_logits,
+                               ridge_then_distill)
 from popcompile.errors import ConfigError, InputError
 from popcompile.reference import Variant
 
@@ -111,6 +112,28 @@ def test_same_seed_same_weights():
     assert runs[0].best_step > 0
     assert torch.equal(flat[0], flat[1]) and runs[0].held_out == runs[1].held_out
     assert not torch.equal(flat[0], flat[2])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ridge_then_distill_is_the_ridge_fit_then_distill_kv_in_one_pass(arch):
+    """The ridge statistics taken from the distillation's precompute give fit_kv_cuts's fit of rows 0..T-2 of
+    each window (the precompute never runs the last token), and training from it is distill_kv's."""
+    model, ids = sharp_model(arch), windows(8, 32)
+    config = DistillConfig(steps=6, lr=1e-3, continuation=CONT, eval_every=3)
+    one_pass = ridge_then_distill(model, ids, CUT, config)
+    ridge = fit_kv_cuts(model, [ids[:, :-1]], [CUT])[CUT]
+    assert one_pass.init.info == ridge.info and one_pass.init.info.bias
+    for i, parts in ridge.weights.items():
+        for part, p in parts.items():
+            got = one_pass.init.weights[i][part]
+            # float64 moments of the same rows, summed window by window instead of in one batch
+            torch.testing.assert_close(got.weight, p.weight, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got.bias, p.bias, atol=1e-5, rtol=1e-4)
+    two_pass = distill_kv(model, ids, one_pass.init, config)
+    assert one_pass.best_step == two_pass.best_step and one_pass.held_out == two_pass.held_out
+    for i, parts in two_pass.fit.weights.items():
+        for part, p in parts.items():
+            assert torch.equal(one_pass.fit.weights[i][part].weight, p.weight)
 
 
 def test_early_stop_keeps_the_best_weights():
@@ -219,7 +242,7 @@ def test_too_little_text_for_a_held_out_split_is_one_line(hf, tmp_path, capsys, 
     fails(capsys, ["calibrate", hf, "--out", out, "--method", "distill", "--text", short, "--cut", "2",
                    "--seq-len", "64"], "1 window(s) are too few for a held-out split", within_s=30)
     fails(capsys, ["calibrate", hf, "--out", out, "--method", "distill", "--text", corpus, "--cut", "3",
-                   "--seq-len", "64"], "cut=3 of 4 layers leaves no K/V to distil", within_s=30)
+                   "--seq-len", "64"], "cut=3 of 4 layers leaves no K/V to fit", within_s=30)
     assert not out.exists()
 
 

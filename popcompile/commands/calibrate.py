@@ -2,6 +2,7 @@
 distilled on the output from the ridge fit (distill, POP++: popcompile/distill.py)."""
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,11 +24,14 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
     p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
     p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit a bias for every k/v projection (default; where the model has none, one Add per refitted "
+                        "layer in the prefill graph); --no-bias: only where the model's projection has one")
     p.add_argument("--method", choices=("ridge", "distill"), default="ridge",
                    help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, then "
                         "train on KL(full || POP) of each window's last 48 tokens, stopping early on held-out windows")
     p.add_argument("--steps", type=int, help="distill: Adam steps at most, one window each (default 900)")
-    p.add_argument("--lr", type=float, help="distill: Adam learning rate (default 3e-4)")
+    p.add_argument("--lr", type=float, help="distill: Adam learning rate (default 1e-4)")
     p.add_argument("--seed", type=int, help="distill: seed of the held-out split and the window order (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(handler=cmd_calibrate)
@@ -43,7 +47,8 @@ def cmd_calibrate(args) -> None:
     precheck_model(args.model)
     import torch
 
-    from ..calibrate import fit_kv, save_fit
+    from ..calibrate import fit_kv_cuts, save_fit
+    from ..distill import check_cut
     from ..models import load_model
     from ..config import resolve_cut
 
@@ -51,16 +56,14 @@ def cmd_calibrate(args) -> None:
     quiet_libraries()
     loaded = load_model(args.model)
     cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
-    if distill is not None:
-        from ..distill import check_cut
-
-        check_cut(cut, loaded.model.config.num_hidden_layers)  # before the ridge fit's minutes
+    check_cut(cut, loaded.model.config.num_hidden_layers)  # before minutes of fitting
     batches = calibration_batches(args, loaded.tokenizer, sources)
-    with torch.no_grad(), _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
-        fit = fit_kv(loaded.model, batches, cut, ridge=args.ridge, progress=bar.update)
-    note = ""
-    if distill is not None:
-        fit, note = distill_fit(loaded.model, torch.cat(batches), fit, distill)
+    if distill is not None:  # the ridge fit's statistics come from the distillation's own forward
+        fit, note = distill_fit(loaded.model, torch.cat(batches), cut, distill, ridge=args.ridge, bias=args.bias)
+    else:
+        with torch.no_grad(), _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
+            fit = fit_kv_cuts(loaded.model, batches, [cut], ridge=args.ridge, bias=args.bias, progress=bar.update)[cut]
+        note = ""
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
     print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
@@ -101,12 +104,12 @@ def calibration_batches(args, tokenizer, sources) -> list:
 
 
 #: DistillProgress.phase -> (unit, description) of its progress bar
-PHASES = {"teacher": ("win", "distill: full model"), "train": ("step", "distill")}
+PHASES = {"teacher": ("win", "full model (ridge fit, distillation's inputs)"), "train": ("step", "distill")}
 
 
-def distill_fit(model, windows, init, config):
-    """(the distilled fit, a note for the summary line), with a progress bar per phase."""
-    from ..distill import distill_kv
+def distill_fit(model, windows, cut: int, config, *, ridge: float, bias: bool):
+    """(the ridge fit distilled, a note for the summary line), with a progress bar per phase."""
+    from ..distill import ridge_then_distill
 
     bars: dict = {}  # phase -> its bar, opened at the phase's first report
 
@@ -120,7 +123,7 @@ def distill_fit(model, windows, init, config):
         if event.loss is not None:
             bar.set_postfix(kl=f"{event.loss:.4f}", held_out=f"{event.held_out:.4f}", refresh=False)
     try:
-        result = distill_kv(model, windows, init, config, progress=report)
+        result = ridge_then_distill(model, windows, cut, config, ridge=ridge, bias=bias, progress=report)
     finally:
         for bar in bars.values():
             bar.close()
