@@ -243,6 +243,10 @@ def test_too_little_text_for_a_held_out_split_is_one_line(hf, tmp_path, capsys, 
                    "--seq-len", "64"], "1 window(s) are too few for a held-out split", within_s=30)
     fails(capsys, ["calibrate", hf, "--out", out, "--method", "distill", "--text", corpus, "--cut", "3",
                    "--seq-len", "64"], "cut=3 of 4 layers leaves no K/V to fit", within_s=30)
+    # the ridge fit too: at cut L-1 it used to write a fit with no layer in it
+    fails(capsys, ["calibrate", hf, "--out", out, "--text", corpus, "--cut", "3"],
+          "cut=3 of 4 layers leaves no K/V to fit", within_s=30)
+    assert not out.exists()
     assert not out.exists()
 
 
