@@ -20,6 +20,9 @@ class ArchSpec:
     v_proj: str = "self_attn.v_proj"
     # The per-head RMS norm applied to K before RoPE (Qwen3, Gemma 3), None where there is none.
     k_norm: str | None = None
+    # Norms on each branch's output before the residual add (Gemma 3's post-attention / post-feedforward
+    # "sandwich" norms): the residual stream is then not rotation invariant (SliceGPT refuses it).
+    branch_output_norms: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -29,7 +32,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("mistral", mask_mapping=False),
         ArchSpec("qwen2", mask_mapping=True),
         ArchSpec("qwen3", mask_mapping=True, k_norm="self_attn.k_norm"),
-        ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm"),
+        ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm", branch_output_norms=True),
     )
 }
 

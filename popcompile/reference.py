@@ -11,7 +11,8 @@ the reference shares no code with the graph pass.
 
 Ablations (``Variant``): ``boundary=False`` prunes x_N too; ``kv_projection=False`` hides the
 pruned positions from the deep layers' attention (they leave no cache); ``shortgpt=True`` removes
-the deep layers in every stage.
+the deep layers in every stage. ``weights`` (``"module path.param" -> tensor``) replaces parameters in
+every stage (the Wanda and SliceGPT baselines of tools/eval/baselines.py).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class Variant:
     shortgpt: bool = False
     # POP+: layer -> {"k_proj"|"v_proj": Projection} used by the pruned prefill (calibrate.py)
     kv_weights: Mapping[int, Mapping[str, Any]] | None = field(default=None, compare=False, repr=False)
+    # "module path.param" -> replacement tensor (any shape), swapped in for every stage (swapped_parameters)
+    weights: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1:
@@ -87,6 +90,24 @@ def replaced_projections(model: torch.nn.Module, weights: Mapping[int, Mapping[s
 
 
 @contextlib.contextmanager
+def swapped_parameters(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Each ``"module path.param"`` of ``model`` is the given tensor (any shape) inside the block, then the
+    original Parameter object again. Only the named module's attribute changes: replacing a tied
+    ``lm_head.weight`` leaves the embedding as it was, and the restore re-ties them."""
+    swapped = []
+    try:
+        for key, tensor in weights.items():
+            path, _, name = key.rpartition(".")
+            module = model.get_submodule(path)
+            swapped.append((module, name, module._parameters[name]))
+            module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+        yield
+    finally:
+        for module, name, original in reversed(swapped):
+            module._parameters[name] = original
+
+
+@contextlib.contextmanager
 def _removed_after(handles: list) -> Iterator[None]:
     try:
         yield
@@ -120,6 +141,8 @@ class PopRun:
 
     def stage(self, pruned: bool) -> contextlib.AbstractContextManager:
         v, stack = self.variant, contextlib.ExitStack()
+        if v.weights:
+            stack.enter_context(swapped_parameters(self.model, v.weights))
         if pruned or v.shortgpt:
             stack.enter_context(bypass_layers(self.model, v.cut))
         if pruned and v.kv_weights:

@@ -26,7 +26,7 @@ from popcompile.reference import Variant
 from tiny import tiny_model
 
 LAYERS = 4
-#: pop-distill in tests: 30 steps (~2 s); lr 1e-4 as the tiny model's POP KL is ~2e-4 (the default 3e-4
+#: pop-distill in tests: 30 steps (~2 s), lr 1e-4 (the default) as the tiny model's POP KL is ~2e-4 (3e-4
 #: overshoots it: no held-out improvement, the ridge start is kept)
 DISTILL = DistillConfig(steps=30, lr=1e-4, eval_every=10)
 
@@ -88,7 +88,7 @@ def test_pop_kvfit_needs_a_model_to_calibrate_on():
 def test_every_variant_runs_on_continuation(model, docs, fits):
     # cut 2: with cut = L-1 the one pruned layer's input is h_{L-1} in POP too, so POP is exact there
     variants = scoring.make_variants(scoring.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model),
-                                     distill_fit=fits[1])
+                                     distill_fit=fits[1], baseline_fit=scoring.default_baseline_fit(_loaded(model)))
     assert list(variants)[0] == "full" and set(variants) == set(scoring.VARIANTS)
     scores = scoring.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
     for name, s in scores.items():
@@ -98,6 +98,8 @@ def test_every_variant_runs_on_continuation(model, docs, fits):
     assert scores["pop"]["kl_to_full"] > 0 and scores["pop"]["nll"] != scores["full"]["nll"]
     assert scores["pop-kvfit"]["nll"] != scores["pop"]["nll"]  # the refit weights are really used
     assert scores["pop-distill"]["nll"] not in (scores["pop"]["nll"], scores["pop-kvfit"]["nll"])
+    for baseline in ("wanda", "slicegpt"):  # nothing POP-pruned, every weight of theirs swapped in
+        assert variants[baseline].cut == LAYERS and scores[baseline]["kl_to_full"] > 0
 
 
 def test_pop_distill_uses_the_ridge_fit_distilled_on_the_calibration_windows(model, fits):
@@ -333,7 +335,8 @@ def test_cli_options_parse(tmp_path, capsys):
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--help"])
-    assert "pop-distill" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "pop-distill" in help_text and "wanda" in help_text and "slicegpt" in help_text
     args = parser.parse_args(["eval", "smollm2-135m", "--sweep", "--limit", "3", "--out", str(tmp_path)])
     assert args.handler is cmd_eval and args.sweep and args.limit == 3
     assert eval_config.parse_tasks(None, sweep_only=True) == ()
@@ -351,10 +354,10 @@ def test_cli_builds_one_eval_config(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "run_eval", lambda model, out, config: seen.update(config=config) or {})
     monkeypatch.setattr(report, "report", lambda results: "")
     assert main(["eval", "m", "--tasks", "humaneval,humaneval", "--allow-code-exec", "--code-prompt", "raw",
-                 "--variants", "pop, shortgpt", "--limit", "3", "--out", str(tmp_path)]) == 0
+                 "--variants", "pop, shortgpt,wanda,slicegpt", "--limit", "3", "--out", str(tmp_path)]) == 0
     config = seen["config"]
     assert config.code_prompt == "raw" and config.tasks == ("humaneval",) and config.limit == 3
-    assert config.variants == ("pop", "shortgpt") and not config.sweep
+    assert config.variants == ("pop", "shortgpt", "wanda", "slicegpt") and not config.sweep
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "m", "--code-prompt", "markdown", "--out", str(tmp_path)])
 

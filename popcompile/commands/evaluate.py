@@ -12,8 +12,9 @@ from .common import add_cut_options, quiet_libraries
 def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="compare POP's quality with the full model and the ablations, or score an engine folder",
-        description="Score the variants (full, pop, pop-kvfit, pop-distill, pop-no-boundary, pop-no-kv, shortgpt) on the "
-                    "same real "
+        description="Score the variants (full, pop, pop-kvfit, pop-distill, pop-no-boundary, pop-no-kv, shortgpt, and "
+                    "the seed paper's other baselines wanda (30% unstructured sparsity) and slicegpt (25% of "
+                    "the hidden dimension sliced; not Gemma 3)) on the same real "
                     "data: teacher-forced continuation of stdlib/HumanEval sources, greedy chat generations, "
                     "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine itself "
                     "with onnxruntime: full (the decode graph on the whole prompt) and pop (its prefill graph at "
@@ -24,7 +25,8 @@ def register(sub) -> None:
                                    "continuation,generation; none with --sweep; chat: three-turn conversations, POP "
                                    "with the cache carried across turns vs re-prefilled, a model only)")
     p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder; "
-                                      "pop-distill distils the pruned K/V for its cut first: minutes on CPU)")
+                                      "pop-distill distils the pruned K/V for its cut first: minutes on CPU; "
+                                      "wanda and slicegpt calibrate on the built-in corpus first)")
     add_cut_options(p)
     p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")

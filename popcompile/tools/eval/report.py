@@ -9,7 +9,8 @@ from ...fsutil import atomic_path, atomic_write
 from .config import check_output_folder
 
 # bar colours follow the order of scoring.VARIANTS; curves of the sweep by variant
-_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-distill", "pop-no-boundary", "pop-no-kv", "shortgpt")
+_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-distill", "pop-no-boundary", "pop-no-kv", "shortgpt",
+                  "wanda", "slicegpt")
 _CURVE_COLORS = {"pop": "tab:blue", "pop-kvfit": "tab:orange", "pop-distill": "tab:green"}
 
 

@@ -9,6 +9,8 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
+    wanda            Variant(L, weights=...)         Wanda: 30% of each decoder linear's row zeroed (baselines.py)
+    slicegpt         Variant(L, weights=...)         SliceGPT: 25% of the hidden dimension sliced off (not Gemma 3)
 
 Tasks (data: ``data.py``): ``continuation`` (teacher-forced NLL / perplexity of a continuation
 after a prefilled prefix, and top-1 agreement with the full model), ``generation`` (greedy chat
@@ -37,8 +39,9 @@ from .config import EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
 from .humaneval import humaneval_eval
 from .report import write_results
-from .scoring import (REFITS, VARIANTS, continuation_eval, default_distill_fit, default_kv_fit, describe,
-                      make_variants, num_layers, reference_generation_task, timed)
+from .scoring import (REFITS, check_variants_apply, continuation_eval, default_baseline_fit, default_distill_fit,
+                      default_kv_fit, default_variant_names, describe, make_variants, num_layers,
+                      reference_generation_task, timed)
 from .sweep import auto_cuts, sweep, sweep_cuts, sweep_variant_names
 
 
@@ -72,8 +75,10 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     refit_curves = c.sweep and any(name in REFITS for name in curves)  # pop-distill starts from pop-kvfit's fit
     kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if refit_curves else ())
     distill_fit = default_distill_fit(loaded, kv_fit, c.distill)
-    variants = make_variants(VARIANTS if c.variants is None else c.variants, cut, layers, kv_fit=kv_fit,
-                             distill_fit=distill_fit)
+    names = default_variant_names(model) if c.variants is None else c.variants
+    check_variants_apply(model, names)
+    variants = make_variants(names, cut, layers, kv_fit=kv_fit, distill_fit=distill_fit,
+                             baseline_fit=default_baseline_fit(loaded))
     results: dict[str, Any] = {
         "model": model_name, "model_type": model.config.model_type, "num_layers": layers, "cut": cut,
         "prefix_len": c.prefix_len, "cont_len": c.cont_len,

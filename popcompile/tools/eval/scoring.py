@@ -10,6 +10,8 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
+    wanda            Variant(L, weights=...)         30% of each decoder linear's row zeroed (baselines.py)
+    slicegpt         Variant(L, weights=...)         25% of the hidden dimension sliced off (baselines.py)
 """
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ from . import data as eval_data
 @dataclass(frozen=True)
 class VariantContext:
     """What a variant factory may use: the cut, the depth, and (lazily) K/V weights for that cut, from
-    ``kv_fit`` (POP+, ridge) or ``distill_fit`` (POP++): cut -> {layer: {"k_proj"|"v_proj": Projection}}."""
+    ``kv_fit`` (POP+, ridge) or ``distill_fit`` (POP++): cut -> {layer: {"k_proj"|"v_proj": Projection}};
+    and from ``baseline_fit`` a baseline's weight transform: "wanda"|"slicegpt" -> {"module.param": tensor}."""
 
     cut: int
     num_layers: int
     kv_fit: Callable[[int], Any] | None = None
     distill_fit: Callable[[int], Any] | None = None
+    baseline_fit: Callable[[str], Any] | None = None
 
     def fitted_kv(self) -> Any:
         return self._weights("pop-kvfit", self.kv_fit)
@@ -49,6 +53,11 @@ class VariantContext:
             raise ValueError(f"variant {variant} needs a model to calibrate on (give {REFITS[variant]})")
         return fit(self.cut) if self.cut < self.num_layers - 1 else None
 
+    def baseline_weights(self, variant: str) -> Any:
+        if self.baseline_fit is None:
+            raise ValueError(f"variant {variant} needs a model to calibrate on (give baseline_fit)")
+        return self.baseline_fit(variant)
+
 
 #: name -> factory(VariantContext) -> Variant. Register new variants here.
 VARIANTS: dict[str, Callable[[VariantContext], Variant]] = {
@@ -59,6 +68,8 @@ VARIANTS: dict[str, Callable[[VariantContext], Variant]] = {
     "pop-no-boundary": lambda c: Variant(c.cut, boundary=False),
     "pop-no-kv": lambda c: Variant(c.cut, kv_projection=False),
     "shortgpt": lambda c: Variant(c.cut, shortgpt=True),
+    "wanda": lambda c: Variant(c.num_layers, weights=c.baseline_weights("wanda")),
+    "slicegpt": lambda c: Variant(c.num_layers, weights=c.baseline_weights("slicegpt")),
 }
 #: the variants with refitted K/V weights -> the VariantContext field (and make_variants/sweep argument) they use
 REFITS = {"pop-kvfit": "kv_fit", "pop-distill": "distill_fit"}
@@ -73,20 +84,22 @@ def register_variant(name: str, factory: Callable[[VariantContext], Variant]) ->
 
 
 def make_variants(names: Iterable[str], cut: int, num_layers: int, kv_fit: Callable[[int], Any] | None = None,
-                  distill_fit: Callable[[int], Any] | None = None) -> dict[str, Variant]:
+                  distill_fit: Callable[[int], Any] | None = None,
+                  baseline_fit: Callable[[str], Any] | None = None) -> dict[str, Variant]:
     """``{name: Variant}`` for the named registry entries, the baseline ``full`` always first."""
     names = list(dict.fromkeys([BASELINE, *names]))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ConfigError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
-    context = VariantContext(cut, num_layers, kv_fit, distill_fit)
+    context = VariantContext(cut, num_layers, kv_fit, distill_fit, baseline_fit)
     return {name: VARIANTS[name](context) for name in names}
 
 
 def describe(variant: Variant) -> dict:
     """A variant as JSON-able fields (the POP+ weights as a flag)."""
     return {"cut": variant.cut, "boundary": variant.boundary, "kv_projection": variant.kv_projection,
-            "shortgpt": variant.shortgpt, "kv_refit": bool(variant.kv_weights)}
+            "shortgpt": variant.shortgpt, "kv_refit": bool(variant.kv_weights),
+            "weights_replaced": len(variant.weights or ())}
 
 
 def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
@@ -107,6 +120,46 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
                 found = fit_kv_cuts(loaded.model, batches, wanted, progress=bar.update)
             fits.update({c: f.weights for c, f in found.items()})
         return fits[cut]
+    return fit
+
+
+def variant_refusal(model, name: str) -> str | None:
+    """Why variant ``name`` cannot run on ``model`` (one line), or None (slicegpt: where the norms forbid
+    the rotation)."""
+    from .baselines import slicegpt_refusal
+
+    return slicegpt_refusal(model.config) if name == "slicegpt" else None
+
+
+def default_variant_names(model) -> list[str]:
+    """Every registered variant that applies to ``model``."""
+    return [n for n in VARIANTS if not variant_refusal(model, n)]
+
+
+def check_variants_apply(model, names: Iterable[str]) -> None:
+    """ConfigError for the first named variant that cannot run on ``model``, before any calibration."""
+    for name in names:
+        reason = variant_refusal(model, name)
+        if reason:
+            raise ConfigError(reason)
+
+
+def default_baseline_fit(loaded, options: Any = None) -> Callable[[str], Any]:
+    """"wanda"|"slicegpt" -> its weight transform (baselines.py, ``options`` a BaselineOptions, default
+    sparsity 0.3 / slicing 0.25), calibrated on the built-in corpus (held out from the evaluation data).
+    Lazy: one pass over the corpus per baseline, at its first call."""
+    from ...calibrate import default_batches
+    from .baselines import TRANSFORMS, BaselineOptions
+
+    options = BaselineOptions() if options is None else options
+    fits: dict[str, Any] = {}
+
+    def fit(name: str):
+        if name not in fits:
+            batches = default_batches(loaded.tokenizer)
+            with torch.no_grad(), _bar(sum(b.numel() for b in batches), f"calibrate {name}") as bar:
+                fits[name] = TRANSFORMS[name](loaded.model, batches, options, progress=bar.update)
+        return fits[name]
     return fit
 
 
