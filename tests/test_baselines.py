@@ -15,22 +15,11 @@ from popcompile.tools.eval import baselines, scoring
 from popcompile.tools.eval import data as eval_data
 from popcompile.tools.eval import run as eval_run
 from popcompile.tools.eval.config import EvalConfig
-from tiny import tiny_model
+from tiny import CharTokenizer, tiny_model
 
 LAYERS = 4
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-class CharTokenizer:
-    chat_template = None
-    eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) % 97 for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(32 + i % 95) for i in ids)
 
 
 @pytest.fixture(scope="module")

@@ -23,25 +23,12 @@ from popcompile.distill import continuation_kl, default_windows
 from popcompile.errors import ConfigError
 from popcompile.models import LoadedModel, ModelSource
 from popcompile.reference import Variant
-from tiny import tiny_model
+from tiny import CharTokenizer, tiny_model
 
 LAYERS = 4
 #: pop-distill in tests: 30 steps (~2 s), lr 1e-4 (the default) as the tiny model's POP KL is ~2e-4 (3e-4
 #: overshoots it: no held-out improvement, the ridge start is kept)
 DISTILL = DistillConfig(steps=30, lr=1e-4, eval_every=10)
-
-
-class CharTokenizer:
-    """Character-level stand-in for a HF tokenizer (ids fit the tiny models' vocabulary of 97)."""
-
-    chat_template = None
-    eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) % 97 for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(32 + i % 95) for i in ids)
 
 
 @pytest.fixture(scope="module")

@@ -69,3 +69,16 @@ def greedy_with_graphs(pair, prompt, max_new_tokens):
         tokens.append(int(logits[0].argmax()))
         ids = torch.tensor([[tokens[-1]]])
     return tokens
+
+
+class CharTokenizer:
+    """Character-level stand-in for a HF tokenizer (ids fit the tiny models' vocabulary of 97)."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % 97 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + i % 95) for i in ids)
