@@ -77,8 +77,9 @@ def test_distill_is_a_kv_calibration_mode_and_a_misspelling_names_the_modes():
 
 
 def test_export_distill_fits_then_distils_in_a_step_of_its_own(tiny_folder, tmp_path):
-    """kv_calibration distill: the ridge fit, then distill.distill_default on the built-in corpus (the tiny
-    tokenizer reads it as unknown words: the windows exist, the quality does not matter here); ~35 s."""
+    """kv_calibration distill: the ridge fit and its distillation (distill.ridge_then_distill) on the built-in
+    corpus (the tiny tokenizer reads it as unknown words: the windows exist, the quality does not matter
+    here); ~35 s."""
     config = PopConfig(cut=2, kv_calibration="distill", max_seq=64, min_prompt_tokens=0)
     seen: list[str] = []
     manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
