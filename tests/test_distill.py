@@ -121,7 +121,7 @@ def test_ridge_then_distill_is_the_ridge_fit_then_distill_kv_in_one_pass(arch):
     model, ids = sharp_model(arch), windows(8, 32)
     config = DistillConfig(steps=6, lr=1e-3, continuation=CONT, eval_every=3)
     one_pass = ridge_then_distill(model, ids, CUT, config)
-    ridge = fit_kv_cuts(model, [ids[:, :-1]], [CUT])[CUT]
+    ridge = fit_kv_cuts(model, [ids[:, :-1]], [CUT], bias=True)[CUT]  # distill fits a bias by default
     assert one_pass.init.info == ridge.info and one_pass.init.info.bias
     for i, parts in ridge.weights.items():
         for part, p in parts.items():

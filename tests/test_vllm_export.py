@@ -67,8 +67,9 @@ def test_pop_plus_weights_are_written_under_the_names_the_plugin_loads(hf, tmp_p
 
 
 def test_a_fitted_bias_is_written_where_the_model_has_none(hf, tmp_path):
-    """calibrate's default fits a k/v bias for llama too: the plugin's PopKV then builds every pair with a bias
-    (zero where none is loaded) and loads these tensors over it (vllm_plugin/model.py)."""
+    """A fit made with `calibrate --bias` (distill's default) has a k/v bias for llama too: the plugin's PopKV
+    then builds every pair with a bias (zero where none is loaded) and loads these tensors over it
+    (vllm_plugin/model.py)."""
     from popcompile.calibrate import CalibrationInfo, KVFit, save_fit
     from popcompile.passes.pop import Projection
 

@@ -24,9 +24,10 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
     p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
     p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
-    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
-                   help="fit a bias for every k/v projection (default; where the model has none, one Add per refitted "
-                        "layer in the prefill graph); --no-bias: only where the model's projection has one")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="fit a bias for every k/v projection (where the model has none: one Add per refitted layer in "
+                        "the prefill graph); --no-bias: only where the model's projection has one. Default: off for "
+                        "--method ridge (it lowered greedy chat agreement, docs/results.md), on for distill")
     p.add_argument("--method", choices=("ridge", "distill"), default="ridge",
                    help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, then "
                         "train on KL(full || POP) of each window's last 48 tokens, stopping early on held-out windows")
@@ -58,11 +59,13 @@ def cmd_calibrate(args) -> None:
     cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
     check_cut(cut, loaded.model.config.num_hidden_layers)  # before minutes of fitting
     batches = calibration_batches(args, loaded.tokenizer, sources)
+    bias = args.method == "distill" if args.bias is None else args.bias
     if distill is not None:  # the ridge fit's statistics come from the distillation's own forward
-        fit, note = distill_fit(loaded.model, torch.cat(batches), cut, distill, ridge=args.ridge, bias=args.bias)
+        fit, note = distill_fit(loaded.model, torch.cat(batches), cut, distill, ridge=args.ridge, bias=bias)
     else:
         with torch.no_grad(), _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
-            fit = fit_kv_cuts(loaded.model, batches, [cut], ridge=args.ridge, bias=args.bias, progress=bar.update)[cut]
+            fit = fit_kv_cuts(loaded.model, batches, [cut], ridge=args.ridge, bias=bias,
+                              progress=bar.update)[cut]
         note = ""
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)

@@ -31,8 +31,7 @@ def register(sub) -> None:
     p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
     p.add_argument("--kv-calibration", default="auto", metavar="{auto,none,distill,FILE}",
                    help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit now on "
-                        "the built-in corpus, 2-5 min on CPU, with a k/v bias: one Add per refitted layer, docs/results.md; "
-                        "a file from `popcompile calibrate --no-bias` adds none), "
+                        "the built-in corpus, 2-5 min on CPU; better quality at no inference cost, docs/results.md), "
                         "distill (POP++: auto's fit, then trained on the output, KL(full || POP); minutes more on "
                         "CPU), none (the paper's POP), or a file from `popcompile calibrate`")
     p.add_argument("--target", choices=list(TARGETS), default="onnx",
