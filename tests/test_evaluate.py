@@ -310,7 +310,7 @@ def test_reports_and_plots(tmp_path):
     text = report.report(results)
     assert "pop-no-boundary" in text and "auto cut (pop-kvfit): agreement >= 0.95: 3" in text
     assert "pop-kvfit agree" in text and "pop-distill agree" in text
-    assert list(results["tasks"]["continuation"]["variants"]) == [n for n in report._VARIANT_ORDER if n != "pop-carried"]
+    assert list(results["tasks"]["continuation"]["variants"]) == [n for n in report._VARIANT_ORDER if not n.endswith("-carried")]
     assert set(sweep.SWEEP_VARIANTS) <= set(report._CURVE_COLORS)
     report.plot_quality(results, tmp_path / "quality.png")
     report.plot_sweep(results, tmp_path / "sweep.png")
@@ -457,13 +457,33 @@ def test_chat_task_with_nothing_pruned_carries_the_cache_exactly(model):
     whole = reference.PopRun(model, full, 0).extend(torch.tensor([conversation.final]), 0)
     torch.testing.assert_close(carried_prefill(model, conversation, full)[1], whole, atol=1e-5, rtol=1e-5)
     assert (carried_prefill(model, conversation, Variant(cut=2))[1] - whole).abs().max() > 1e-3
-    result = chat_task(model, tok, 2, limit=2, gen_tokens=6)
+    result = chat_task(model, tok, {"pop": Variant(cut=2), "shortgpt": Variant(cut=2, shortgpt=True)}, limit=2,
+                       gen_tokens=6)
     assert result["conversations"] == 2 and set(result["variants"]) == {"full", "pop", "pop-carried"}
     assert result["variants"]["full"]["exact_match"] == 1.0
+
+
+def test_chat_task_runs_each_pop_variant_fresh_and_carried(model):
+    """Every CHAT_VARIANTS name given runs twice (a fresh prefill, the carried cache); a refit at cut = L-1 (no
+    layer past the cut to refit) equals full; with no POP variant the task is refused, before any model work
+    when the config says so."""
+    from popcompile.tools.eval.chat import chat_task
+    from popcompile.tools.eval.config import EvalConfig
+
+    tok = ChatCharTokenizer()
+    variants = {"pop": Variant(cut=2), "pop-kvfit": Variant(cut=LAYERS - 1, kv_weights={})}
+    result = chat_task(model, tok, variants, limit=2, gen_tokens=6)["variants"]
+    assert set(result) == {"full", "pop", "pop-carried", "pop-kvfit", "pop-kvfit-carried"}
+    assert result["pop-kvfit"]["exact_match"] == result["pop-kvfit-carried"]["exact_match"] == 1.0
+    with pytest.raises(ConfigError, match="name one of pop, pop-kvfit, pop-distill"):
+        chat_task(model, tok, {"full": Variant(cut=LAYERS)}, limit=1, gen_tokens=4)
+    with pytest.raises(ConfigError, match="name one of pop, pop-kvfit, pop-distill"):
+        EvalConfig(tasks=("chat",), variants=("full", "shortgpt"))
+    assert EvalConfig(tasks=("chat",), variants=("full", "pop-kvfit")).variants == ("full", "pop-kvfit")
 
 
 def test_chat_task_needs_a_chat_template(model):
     from popcompile.tools.eval.chat import chat_task
 
     with pytest.raises(ConfigError, match="needs a chat template"):
-        chat_task(model, CharTokenizer(), 2, limit=1, gen_tokens=4)
+        chat_task(model, CharTokenizer(), {"pop": Variant(cut=2)}, limit=1, gen_tokens=4)

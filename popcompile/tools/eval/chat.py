@@ -3,11 +3,13 @@
 Each conversation is three user messages. Turns 1 and 2 are answered by the full model (greedy), so every
 variant sees the same history; then the third turn's greedy reply under:
 
-    full          the full model on the whole history (the baseline)
-    pop           POP's prefill of the whole history from an empty cache      reference.generate
-    pop-carried   POP turn by turn with the cache carried, as session.chat      reference.PopRun.extend
-                  runs it: each turn prefills only its new tokens (POP), the
-                  replies' rows are written by decode steps (the full model)
+    full           the full model on the whole history (the baseline)
+    NAME           the variant's prefill of the whole history from an empty cache   reference.generate
+    NAME-carried   the variant turn by turn with the cache carried, as session.chat  reference.PopRun.extend
+                   runs it: each turn prefills only its new tokens (pruned), the
+                   replies' rows are written by decode steps (the full model)
+
+for each NAME of ``CHAT_VARIANTS`` (pop, pop-kvfit, pop-distill) the eval was given.
 
 Scored as the generation task (scoring.compare_generations): exact match and matched prefix vs full.
 Needs a chat template; runs through reference.py only (an engine folder's chat is tested against it).
@@ -15,12 +17,14 @@ Needs a chat template; runs through reference.py only (an engine folder's chat i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
 from ... import reference
 from ...errors import ConfigError
 from ...runtime.chat import common_prefix
+from .config import CHAT_NEEDS, CHAT_VARIANTS
 from .scoring import compare_generations, num_layers
 
 CONVERSATIONS: tuple[tuple[str, str, str], ...] = (
@@ -41,20 +45,22 @@ class Conversation:
     final: list[int]                          # the last turn's prompt ids (the whole history)
 
 
-def chat_task(model, tok, cut: int, limit: int | None, gen_tokens: int) -> dict:
-    """The task's results (module docstring) for the first ``limit`` conversations."""
+def chat_task(model, tok, variants: Mapping[str, reference.Variant], limit: int | None, gen_tokens: int) -> dict:
+    """The task's results (module docstring) for the first ``limit`` conversations, for each of ``variants``
+    named in ``CHAT_VARIANTS`` (the others are skipped: the ablations already collapse on one turn)."""
     if not getattr(tok, "chat_template", None):
         raise ConfigError("the chat task needs a chat template, and this model's tokenizer has none: "
                           "leave chat out of --tasks")
-    full, pop = reference.Variant(cut=num_layers(model)), reference.Variant(cut=cut)
-    eos = tok.eos_token_id
+    chosen = {name: v for name, v in variants.items() if name in CHAT_VARIANTS}
+    if not chosen:
+        raise ConfigError(CHAT_NEEDS)
+    full, eos = reference.Variant(cut=num_layers(model)), tok.eos_token_id
     conversations = [_history(model, tok, turns, full, gen_tokens) for turns in CONVERSATIONS[:limit]]
     by_final = {tuple(c.final): c for c in conversations}
-    runs = {
-        "full": lambda c: reference.generate(model, torch.tensor([c.final]), gen_tokens, full, eos),
-        "pop": lambda c: reference.generate(model, torch.tensor([c.final]), gen_tokens, pop, eos),
-        "pop-carried": lambda c: carried(model, c, pop, gen_tokens, eos),
-    }
+    runs = {"full": lambda c: reference.generate(model, torch.tensor([c.final]), gen_tokens, full, eos)}
+    for name, variant in chosen.items():
+        runs[name] = lambda c, v=variant: reference.generate(model, torch.tensor([c.final]), gen_tokens, v, eos)
+        runs[f"{name}-carried"] = lambda c, v=variant: carried(model, c, v, gen_tokens, eos)
     scores = compare_generations([c.final for c in conversations], list(runs),
                                  lambda name, ids: runs[name](by_final[tuple(ids)]),
                                  lambda ids: tok.decode(ids, skip_special_tokens=True))

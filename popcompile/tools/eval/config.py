@@ -17,6 +17,10 @@ TASKS = ("continuation", "generation", "humaneval", "chat")
 DEFAULT_TASKS = ("continuation", "generation")
 #: what `eval --out` writes (replaced only with --force)
 OUTPUT_FILES = ("results.json", "quality.png", "sweep.png")
+#: the variants the chat task runs, each from a fresh prefill and with the cache carried across turns
+CHAT_VARIANTS = ("pop", "pop-kvfit", "pop-distill")
+CHAT_NEEDS = (f"the chat task compares POP with the full model: name one of {', '.join(CHAT_VARIANTS)} in "
+              "--variants (or leave --variants out)")
 PROMPT_FORMATS = ("auto", "chat", "raw")  # HumanEval: humaneval.resolve_format
 CODE_EXEC_REFUSAL = ("the humaneval task runs model-written code on this machine; pass --allow-code-exec "
                      "to allow it (ideally inside a sandbox or container)")
@@ -55,6 +59,8 @@ class EvalConfig:
             raise ConfigError(CODE_EXEC_REFUSAL)
         if not (self.tasks or self.sweep):
             raise ConfigError("nothing to do: give --tasks or --sweep")
+        if "chat" in self.tasks and self.variants is not None and not set(self.variants) & set(CHAT_VARIANTS):
+            raise ConfigError(CHAT_NEEDS)
         sizes = {"--limit": self.limit, "--prefix-len": self.prefix_len, "--cont-len": self.cont_len,
                  "--gen-tokens": self.gen_tokens, "--code-tokens": self.code_tokens,
                  "--batch-size": self.batch_size, "--threads": self.threads, "--cut": self.cut}

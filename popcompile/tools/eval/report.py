@@ -9,7 +9,8 @@ from ...fsutil import atomic_path, atomic_write
 from .config import check_output_folder
 
 # bar colours follow the order of scoring.VARIANTS; curves of the sweep by variant
-_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-distill", "pop-no-boundary", "pop-no-kv", "shortgpt",
+_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-kvfit-carried", "pop-distill", "pop-distill-carried",
+                  "pop-no-boundary", "pop-no-kv", "shortgpt",
                   "wanda", "slicegpt")
 _CURVE_COLORS = {"pop": "tab:blue", "pop-kvfit": "tab:orange", "pop-distill": "tab:green"}
 
@@ -38,7 +39,7 @@ def _task_tables(t: dict, results: dict) -> list[str]:
     if "chat" in t:
         c = t["chat"]
         parts.append(f"\nchat: {c['conversations']} conversations, turn {c['turns']}'s reply, greedy "
-                     f"{c['max_new_tokens']} tokens (pop-carried: the cache carried across turns)")
+                     f"{c['max_new_tokens']} tokens (-carried: the cache carried across turns)")
         parts.append(format_table(["variant", "exact", "prefix", "length"], [
             [n, v["exact_match"], v["matched_prefix"], v["mean_length"]] for n, v in c["variants"].items()]))
     if "humaneval" in t:

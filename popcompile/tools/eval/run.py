@@ -95,7 +95,7 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     if "generation" in c.tasks:
         t["generation"] = timed(lambda: reference_generation_task(model, tok, variants, c.limit, c.gen_tokens))
     if "chat" in c.tasks:
-        t["chat"] = timed(lambda: chat_task(model, tok, cut, c.limit, c.gen_tokens))
+        t["chat"] = timed(lambda: chat_task(model, tok, variants, c.limit, c.gen_tokens))
     if "humaneval" in c.tasks:
         problems = eval_data.humaneval_problems()[:c.limit]
         t["humaneval"] = timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_eval(
