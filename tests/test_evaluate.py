@@ -19,7 +19,7 @@ from popcompile.tools.eval import run
 from popcompile.tools.eval import scoring
 from popcompile.tools.eval import sweep
 from popcompile.config import DistillConfig
-from popcompile.distill import continuation_kl, default_windows
+from popcompile.distill import continuation_kl, default_windows, ridge_then_distill
 from popcompile.errors import ConfigError
 from popcompile.models import LoadedModel, ModelSource
 from popcompile.reference import Variant
@@ -64,7 +64,7 @@ def fits(model):
     """(ridge, distilled): cut -> K/V weights of the tiny llama from the built-in calibration corpus, as eval
     makes them (scoring.default_kv_fit, scoring.default_distill_fit with DISTILL)."""
     ridge = scoring.default_kv_fit(_loaded(model))
-    return ridge, scoring.default_distill_fit(_loaded(model), ridge, DISTILL)
+    return ridge, scoring.default_distill_fit(_loaded(model), DISTILL)
 
 
 def test_pop_kvfit_needs_a_model_to_calibrate_on():
@@ -89,18 +89,26 @@ def test_every_variant_runs_on_continuation(model, docs, fits):
         assert variants[baseline].cut == LAYERS and scores[baseline]["kl_to_full"] > 0
 
 
-def test_pop_distill_uses_the_ridge_fit_distilled_on_the_calibration_windows(model, fits):
+def test_pop_distill_is_what_export_distill_ships(model, fits):
+    """pop-distill's weights are ``ridge_then_distill``'s (the ridge fit with a bias, distilled), as
+    ``export --kv-calibration distill`` makes them, not pop-kvfit's bias-free fit distilled."""
     ridge, distilled = fits
     variants = scoring.make_variants(["pop-kvfit", "pop-distill"], cut=2, num_layers=LAYERS, kv_fit=ridge,
                                      distill_fit=distilled)
     r, d = variants["pop-kvfit"].kv_weights, variants["pop-distill"].kv_weights
     assert set(r) == set(d) == {3} and d is distilled(2)  # made once per cut
-    moved = max(float((d[i][p].weight - r[i][p].weight).abs().max()) for i in r for p in r[i])
-    assert moved > 1e-4  # trained away from the ridge start (30 Adam steps of ~1e-4 each at most)
     windows = default_windows(CharTokenizer())  # 512 prompt + 48 scored tokens, the held-out stdlib modules
     assert windows.shape[1] == 560 and windows.shape[0] >= 16
-    kl_ridge, kl_distilled = (continuation_kl(model, windows[:16], 2, w) for w in (r, d))
-    assert kl_distilled < 0.97 * kl_ridge  # measured 0.92x (1.71e-4 -> 1.57e-4)
+    shipped = ridge_then_distill(model, windows, 2, DISTILL)
+    assert all(torch.equal(d[i][p].weight, shipped.fit.weights[i][p].weight) and
+               torch.equal(d[i][p].bias, shipped.fit.weights[i][p].bias) for i in d for p in d[i])
+    start = shipped.init.weights
+    assert all(start[i][p].bias is not None and r[i][p].bias is None for i in r for p in r[i])  # bias: distill only
+    # From this start (ridge with a bias, fitted on these windows) the tiny random model's held-out KL does not
+    # improve in 30 steps at any lr tried (1e-6..1e-3): the start is what ships (test_distill.py shows training
+    # lowering KL on every architecture). It already beats pop-kvfit's bias-free fit of other text.
+    kl_kvfit, kl_distill = (continuation_kl(model, windows[:16], 2, w) for w in (r, d))
+    assert kl_distill < 0.8 * kl_kvfit, (kl_distill, kl_kvfit)  # measured ~0.96e-4 vs ~1.7e-4
     at_last = scoring.make_variants(["pop-distill"], cut=LAYERS - 1, num_layers=LAYERS, distill_fit=distilled)
     assert at_last["pop-distill"].kv_weights is None  # cut L-1: the pruned layer reads h_{L-1} anyway
     with pytest.raises(ValueError, match="pop-distill needs a model to calibrate on \\(give distill_fit\\)"):

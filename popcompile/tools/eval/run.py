@@ -39,7 +39,7 @@ from .config import EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
 from .humaneval import humaneval_eval
 from .report import write_results
-from .scoring import (REFITS, check_variants_apply, continuation_eval, default_baseline_fit, default_distill_fit,
+from .scoring import (check_variants_apply, continuation_eval, default_baseline_fit, default_distill_fit,
                       default_kv_fit, default_variant_names, describe, make_variants, num_layers,
                       reference_generation_task, timed)
 from .sweep import auto_cuts, sweep, sweep_cuts, sweep_variant_names
@@ -72,9 +72,8 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     layers = num_layers(model)
     cut = resolve_cut(layers, c.cut, c.prune_ratio)
     curves = sweep_variant_names(c.variants)
-    refit_curves = c.sweep and any(name in REFITS for name in curves)  # pop-distill starts from pop-kvfit's fit
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if refit_curves else ())
-    distill_fit = default_distill_fit(loaded, kv_fit, c.distill)
+    kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if c.sweep and "pop-kvfit" in curves else ())
+    distill_fit = default_distill_fit(loaded, c.distill)
     names = default_variant_names(model) if c.variants is None else c.variants
     check_variants_apply(model, names)
     variants = make_variants(names, cut, layers, kv_fit=kv_fit, distill_fit=distill_fit,

@@ -163,28 +163,27 @@ def default_baseline_fit(loaded, options: Any = None) -> Callable[[str], Any]:
     return fit
 
 
-def default_distill_fit(loaded, kv_fit: Callable[[int], Any], config: Any = None) -> Callable[[int], Any]:
-    """cut -> POP++ weights: ``kv_fit(cut)`` (the ridge fit) distilled with ``config`` (a config.DistillConfig,
-    default its defaults; tests give few steps) on windows of the built-in calibration corpus, 560 tokens each
-    (prompt 512, 48 scored; distill.default_windows, disjoint from the evaluation data). Lazy, one run per cut."""
-    from ...calibrate import CalibrationInfo, KVFit
+def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
+    """cut -> POP++ weights as ``export --kv-calibration distill`` makes them (``distill.ridge_then_distill``:
+    the ridge fit with a bias and its distillation from one full-model pass), with ``config`` (a
+    config.DistillConfig, default its defaults; tests give few steps), on windows of the built-in calibration
+    corpus, 560 tokens each (prompt 512, 48 scored; distill.default_windows, disjoint from the evaluation data).
+    Lazy, one run per cut."""
     from ...config import DistillConfig
-    from ...distill import default_windows, distill_kv
+    from ...distill import default_windows, ridge_then_distill
 
     config = DistillConfig() if config is None else config
-    layers = num_layers(loaded.model)
     fits: dict[int, Any] = {}
     windows: list = []  # the corpus, tokenized at the first cut asked for and reused for the others
 
     def fit(cut: int):
         if cut not in fits:
             windows[:] = windows or [default_windows(loaded.tokenizer)]
-            init = KVFit(CalibrationInfo(cut, layers, 1e-3, 0, ""), kv_fit(cut))  # info: only cut/layers are read
             with _bar(config.steps, f"distill cut {cut}") as bar:
                 def report(event) -> None:  # the training steps; the teacher pass over the windows is short
                     if event.phase == "train":
                         bar.update(event.done - bar.n)
-                fits[cut] = distill_kv(loaded.model, windows[0], init, config, progress=report).fit.weights
+                fits[cut] = ridge_then_distill(loaded.model, windows[0], cut, config, progress=report).fit.weights
         return fits[cut]
     return fit
 
