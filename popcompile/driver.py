@@ -68,7 +68,7 @@ def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *,
         if not target.graphs and model is not loaded.model:
             loaded = dataclasses.replace(loaded, model=model)
         with staged_folder(out, replace=force) as tmp:
-            manifest = target.write(tmp, loaded, cut, pair, fit, config.cut_choice and dict(config.cut_choice), step)
+            manifest = target.write(tmp, loaded, cut, pair, fit, config, step)
             if target.runtime is not None:
                 manifest = with_min_prompt_tokens(tmp, manifest, config, target, step)
             check_output_folder(out, force)  # nothing but an engine folder is ever swapped out

@@ -23,6 +23,9 @@ from .errors import ConfigError
 #: (single rows swing by ~0.1x) and short chat prompts are where users read answers most closely.
 #: docs/prompt_length.md: 64 tokens for both shipped models' onnxruntime engines (1.1x would give 16-32).
 DEFAULT_MIN_SPEEDUP = 1.2
+#: the threshold where none is measured (the torch.compile backend, the vLLM plugin): the rule above on the
+#: torch backend's curve gives 16 (SmolLM2) and 64 (Gemma 3), the onnxruntime engines' 64 for both; the larger
+FIXED_MIN_PROMPT_TOKENS = 64
 
 
 def choose_min_prompt_tokens(measurements: Mapping[int, float], min_speedup: float = DEFAULT_MIN_SPEEDUP) -> int:

@@ -24,6 +24,7 @@ from popcompile.engine.manifest import EngineManifest
 from popcompile.errors import EngineError, EnvironmentUnavailable, ModelError, UnsupportedModelError
 from popcompile.exporters.vllm import pop_architecture
 from popcompile.engine.vllm_folder import is_vllm_folder
+from popcompile.threshold import FIXED_MIN_PROMPT_TOKENS
 from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, VLLM_VERSION, PopSettings, check_vllm_version
 
 LAYERS = 4
@@ -43,9 +44,10 @@ def test_folder_names_the_pop_class_and_keeps_the_weights(hf, tmp_path, capsys):
     config = export(hf, tmp_path / "served", "--kv-calibration", "none")
     report = json.loads(capsys.readouterr().out)
     assert config["architectures"] == ["PopLlamaForCausalLM"]
-    assert {k: config["popcompile"][k] for k in ("format", "cut", "kv_weights")} == {
-        "format": 1, "cut": 3, "kv_weights": None}
+    assert {k: config["popcompile"][k] for k in ("format", "cut", "kv_weights", "min_prompt_tokens")} == {
+        "format": 1, "cut": 3, "kv_weights": None, "min_prompt_tokens": FIXED_MIN_PROMPT_TOKENS}  # auto: the fixed 64
     assert (report["cut"], report["num_layers"], report["target"]) == (3, LAYERS, "vllm")
+    assert report["min_prompt_tokens"] == FIXED_MIN_PROMPT_TOKENS == 64
     original, written = load_file(hf / "model.safetensors"), load_file(tmp_path / "served" / "model.safetensors")
     assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
     assert (tmp_path / "served" / "tokenizer.json").is_file() and not (tmp_path / "served" / KV_WEIGHTS_FILE).exists()
@@ -95,10 +97,16 @@ def test_force_replaces_a_vllm_folder_and_run_refuses_one(hf, tmp_path, capsys):
         EngineManifest.read(out)
 
 
+@pytest.mark.parametrize("threshold", ["0", "8"])
+def test_min_prompt_tokens_is_written_as_given(hf, tmp_path, threshold):
+    config = export(hf, tmp_path / "served", "--kv-calibration", "none", "--min-prompt-tokens", threshold)
+    assert config["popcompile"]["min_prompt_tokens"] == int(threshold)
+    assert PopSettings.of(SimpleNamespace(**config)).min_prompt_tokens == int(threshold)
+
+
 @pytest.mark.parametrize("args, culprit", [
     (["--boundary", "separate"], "--boundary separate"),
     (["--max-seq", "64"], "--max-seq 64"),
-    (["--min-prompt-tokens", "8"], "--min-prompt-tokens 8"),
 ])
 def test_options_that_only_shape_popcompile_engines_are_refused(hf, tmp_path, capsys, args, culprit):
     fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", *args], culprit, within_s=5.0)
@@ -120,6 +128,8 @@ def test_an_architecture_without_a_pop_class_is_named():
     ({"format": 1, "cut": LAYERS + 1}, f"popcompile.cut={LAYERS + 1}"),
     ({"format": 1, "cut": 2, "kv_weights": "other.safetensors"}, "kv_weights='other.safetensors'"),
     ({"format": 2, "cut": 2}, "format 1"),
+    ({"format": 1, "cut": 2, "min_prompt_tokens": -1}, "min_prompt_tokens=-1"),
+    ({"format": 1, "cut": 2, "min_prompt_tokens": "64"}, "min_prompt_tokens='64'"),
 ])
 def test_the_plugin_refuses_a_config_entry_it_cannot_serve(entry, culprit):
     class HFConfig:
@@ -128,8 +138,8 @@ def test_the_plugin_refuses_a_config_entry_it_cannot_serve(entry, culprit):
 
     with pytest.raises(ModelError, match=culprit.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         PopSettings.of(HFConfig())
-    assert PopSettings.of(type("C", (), {"num_hidden_layers": LAYERS,
-                                         "popcompile": {"format": 1, "cut": LAYERS}})()).prunes is False
+    older = PopSettings.of(type("C", (), {"num_hidden_layers": LAYERS, "popcompile": {"format": 1, "cut": LAYERS}})())
+    assert older.prunes is False and older.min_prompt_tokens == 0  # a folder from before the field: as it served
 
 
 def test_another_vllm_version_is_refused_by_name():

@@ -26,10 +26,12 @@ from popcompile.calibrate import load_fit
 from popcompile.corpus import stdlib_texts
 from popcompile.exporters.vllm import stock_view
 from popcompile.reference import Variant, generate
+from popcompile.threshold import FIXED_MIN_PROMPT_TOKENS
 from popcompile.vllm_plugin.settings import POP_ARCHITECTURES
 
 HERE = Path(__file__).resolve().parent
 CUT, LAYERS, NEW = 20, 30, 16
+THRESHOLD = 400  # the "threshold" folder's min_prompt_tokens: the 300-token prompt runs in full, in two chunks
 # every architecture the plugin serves -> the test that serves it
 COVERED = {"LlamaForCausalLM": "test_pop_equals_the_reference_batched_and_in_chunks_of_512 (SmolLM2)",
            "MistralForCausalLM": "test_tiny_architecture_equals_the_reference[mistral]",
@@ -49,7 +51,9 @@ def popcompile(*args: str) -> None:
 
 
 def export(out: Path, *args: str) -> Path:
-    popcompile("export", "smollm2-135m", "--target", "vllm", "--out", str(out), *args)
+    """A SmolLM2 folder for vLLM; POP for every prompt unless ``args`` give --min-prompt-tokens."""
+    threshold = [] if "--min-prompt-tokens" in args else ["--min-prompt-tokens", "0"]
+    popcompile("export", "smollm2-135m", "--target", "vllm", "--out", str(out), *threshold, *args)
     return out
 
 
@@ -61,6 +65,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     folders = {"pop": export(root / "pop", "--cut", str(CUT), "--kv-calibration", "none"),
                "full": export(root / "full", "--cut", str(LAYERS), "--kv-calibration", "none"),
                "pop+": export(root / "pop+", "--cut", str(CUT), "--kv-calibration", str(fit)),
+               "threshold": export(root / "threshold", "--cut", str(CUT), "--kv-calibration", "none",
+                                   "--min-prompt-tokens", str(THRESHOLD)),
                "fit": fit}
     vanilla = stock_view(folders["pop"], root / "vanilla")  # the same folder as stock vLLM sees it
     return {**folders, "vanilla": vanilla}
@@ -135,6 +141,18 @@ def test_chunking_does_not_change_the_output(folders, prompts, pop_in_chunks, tm
     assert [r["tokens"] for r in whole] == [r["tokens"] for r in pop_in_chunks]
     drift = max(abs(a - b) for w, c in zip(whole, pop_in_chunks) for a, b in zip(w["logprobs"], c["logprobs"]))
     assert drift < 2e-5, drift
+
+
+def test_prompts_under_min_prompt_tokens_run_the_full_model(folders, prompts, hf_model, tmp_path):
+    """A prompt shorter than the folder's min_prompt_tokens runs every token through the deep layers (runner.py),
+    also when the scheduler splits it into chunks (300 tokens, 256 a step) and batches it with a POP prompt."""
+    batch = [prompts["short"], prompts["300"], prompts["700"]]
+    served = greedy(tmp_path, folders["threshold"], batch, max_num_batched_tokens=256, max_num_seqs=8)
+    full = [reference(hf_model, ids, Variant(cut=LAYERS)) for ids in batch[:2]]
+    pop = reference(hf_model, batch[2], Variant(cut=CUT))
+    assert [r["tokens"] for r in served] == [*full, pop]
+    assert full != [reference(hf_model, ids, Variant(cut=CUT)) for ids in batch[:2]]  # POP would have differed
+    assert pop != reference(hf_model, batch[2], Variant(cut=LAYERS))
 
 
 def test_pop_plus_folder_uses_the_fitted_kv_weights(folders, prompts, hf_model, tmp_path):
@@ -257,7 +275,7 @@ def test_tiny_architecture_equals_the_reference(model_type, tmp_path):
 
     hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=4, head_dim=32, max_position_embeddings=512)
     popcompile("export", str(hf), "--target", "vllm", "--out", str(tmp_path / "served"), "--cut", "2",
-               "--kv-calibration", "none")
+               "--kv-calibration", "none", "--min-prompt-tokens", "0")
     generator = torch.Generator().manual_seed(0)
     batch = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (5, 60, 300)]
     served = greedy(tmp_path, tmp_path / "served", batch, max_num_batched_tokens=128, max_model_len=512)
@@ -270,7 +288,8 @@ def test_tiny_architecture_equals_the_reference(model_type, tmp_path):
 def test_gemma3_equals_the_reference_across_its_sliding_window(tmp_path):
     """Gemma 3 270M (18 layers, cut 12): local layers with a 512-token window, k_norm, scaled embeddings."""
     folder = tmp_path / "gemma"
-    popcompile("export", "gemma3-270m", "--target", "vllm", "--out", str(folder), "--kv-calibration", "none")
+    popcompile("export", "gemma3-270m", "--target", "vllm", "--out", str(folder), "--kv-calibration", "none",
+               "--min-prompt-tokens", "0")
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     text = "".join(text for _, text in stdlib_texts()[:3])
     batch = [tokenizer.encode("The capital of France is").ids, tokenizer.encode(text).ids[:300],
@@ -294,13 +313,14 @@ def test_vllm_sample_exports_and_generates_the_reference_text(tmp_path):
 
     hf = tiny_hf_folder(tmp_path / "hf", layers=6, head_dim=32, initializer_range=0.1, max_position_embeddings=512,
                         eos=False)
-    prompt = " ".join(f"t{i}" for i in range(1, 40))
+    prompt = " ".join(f"t{i}" for i in range(1, 80))  # 79 tokens: over the default min_prompt_tokens, so POP runs
     done = run_sample("vllm_serve.py", "--model", hf, "--out", tmp_path / "served", "--kv-calibration", "none",
                       "--prompt", prompt, "--max-new-tokens", "6")
     assert done.returncode == 0, done.stderr[-3000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] >= FIXED_MIN_PROMPT_TOKENS
     expected = tokenizer.decode(generate(model, ids, 6, Variant(cut=4)), skip_special_tokens=True)  # as vLLM does
     squeeze = lambda text: "".join(text.split())  # vLLM's incremental detokenizer may space words differently
     printed = [line for line in done.stdout.splitlines() if line.startswith(prompt)]  # vLLM logs to stdout too

@@ -65,7 +65,8 @@ def register(sub) -> None:
                    help="prompts shorter than this prefill with the full model, where POP gains little (run "
                         "--min-prompt-tokens overrides it): auto (default: measure POP against full on the new "
                         "engine, seconds; the shortest length from which it is >= 1.2x faster, "
-                        "docs/prompt_length.md) or N (0: POP for every prompt)")
+                        "docs/prompt_length.md; --target vllm: 64, nothing is measured there) or N (0: POP for "
+                        "every prompt)")
     build_trt.add_build_options(p)
     p.set_defaults(handler=cmd_export)
 

@@ -26,6 +26,7 @@ from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
 from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
+from ..threshold import FIXED_MIN_PROMPT_TOKENS
 
 VLLM_WRITE_STEP = "write vLLM folder"
 
@@ -79,9 +80,10 @@ class OnnxTarget:
                               "quantised from float32 graphs: drop --dtype (float32 is the default)")
 
     def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
-              cut_choice: dict | None, step: Step) -> EngineManifest:
+              config: PopConfig, step: Step) -> EngineManifest:
         from .onnx import write_engine
 
+        cut_choice = config.cut_choice and dict(config.cut_choice)
         return write_engine(folder, loaded, pair, fit, cut_choice, step, self.weights,
                             self.lowering(pair.layout.dtype), report_fuse=self.attention != "standard")
 
@@ -102,10 +104,10 @@ class TensorRTTarget:
         require_gpu()  # TensorRTUnavailable naming what is missing, before the long ONNX export
 
     def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
-              cut_choice: dict | None, step: Step) -> EngineManifest:
+              config: PopConfig, step: Step) -> EngineManifest:
         from .tensorrt import build_engines
 
-        OnnxTarget(attention="standard").write(folder, loaded, cut, pair, fit, cut_choice, step)
+        OnnxTarget(attention="standard").write(folder, loaded, cut, pair, fit, config, step)
         build_engines(folder, self.build, progress=step, force=True)
         return EngineManifest.read(folder)
 
@@ -127,17 +129,16 @@ class VllmTarget:
         if config.max_seq is not None:
             raise ConfigError(f"--max-seq {config.max_seq} (max_seq={config.max_seq}) sizes popcompile's KV "
                               "buffers; vLLM pages its own: give vLLM max_model_len instead, for --target vllm")
-        if config.min_prompt_tokens not in ("auto", 0):
-            raise ConfigError(f"--min-prompt-tokens {config.min_prompt_tokens} (min_prompt_tokens="
-                              f"{config.min_prompt_tokens}) is not supported by the vLLM plugin yet: it prunes every "
-                              "prompt; drop it for --target vllm")
 
     def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: None, fit: KVFit | None,
-              cut_choice: dict | None, step: Step) -> ServingFolder:
+              config: PopConfig, step: Step) -> ServingFolder:
+        """``config.min_prompt_tokens`` "auto": threshold.FIXED_MIN_PROMPT_TOKENS (nothing is measured in vLLM at
+        export: writing the folder needs no vLLM)."""
         from .vllm import write_folder
 
         step(VLLM_WRITE_STEP)
-        return write_folder(folder, loaded, cut, fit)
+        threshold = config.min_prompt_tokens
+        return write_folder(folder, loaded, cut, fit, FIXED_MIN_PROMPT_TOKENS if threshold == "auto" else threshold)
 
 
 Target = Union[OnnxTarget, TensorRTTarget, VllmTarget]

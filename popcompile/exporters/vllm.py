@@ -1,7 +1,8 @@
 """The vLLM target's writer: a Hugging Face folder that ``vllm serve DIR`` / ``vllm.LLM(DIR)`` load with POP.
 
     DIR/
-      config.json            the model's, with "architectures": ["Pop<Arch>"] and "popcompile": {cut, kv_weights}
+      config.json            the model's, with "architectures": ["Pop<Arch>"] and "popcompile": {cut, kv_weights,
+                             min_prompt_tokens}
       model.safetensors      the model's weights, untouched (save_pretrained; sharded with an index if large)
       pop_kv.safetensors     POP+ only: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias} for l >= cut
       tokenizer, chat template, generation_config.json
@@ -40,6 +41,7 @@ class ServingFolder:
     cut: int
     kv_weights: str | None
     dtype: str
+    min_prompt_tokens: int = 0  # shorter prompts run the full model (the plugin's runner.py)
     vllm_version: str = VLLM_VERSION
     target: str = "vllm"
 
@@ -51,7 +53,8 @@ class ServingFolder:
                   else "nothing pruned")
         calibration = "POP+ K/V weights" if self.kv_weights else "the model's own K/V projections (POP)"
         return (f"{folder}: {self.model} as {self.architecture}, {self.num_layers} layers, cut {self.cut} ({pruned}), "
-                f"{calibration}, {self.dtype}\nserve it with vLLM {self.vllm_version} and popcompile installed: "
+                f"{calibration}, {self.dtype}, prompts under {self.min_prompt_tokens} tokens run the full model\n"
+                f"serve it with vLLM {self.vllm_version} and popcompile installed: "
                 f"`vllm serve {folder}` or vllm.LLM({str(folder)!r})")
 
 
@@ -65,10 +68,12 @@ def pop_architecture(loaded: LoadedModel) -> str:
                                 f"{', '.join(BASE_TO_POP)}): export it with --target onnx")
 
 
-def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None) -> ServingFolder:
+def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None,
+                 min_prompt_tokens: int = 0) -> ServingFolder:
     architecture = pop_architecture(loaded)
     config = loaded.model.config
-    settings = PopSettings(cut=cut, num_layers=config.num_hidden_layers, kv_weights=fit and KV_WEIGHTS_FILE)
+    settings = PopSettings(cut=cut, num_layers=config.num_hidden_layers, kv_weights=fit and KV_WEIGHTS_FILE,
+                           min_prompt_tokens=min_prompt_tokens)
     loaded.model.save_pretrained(tmp)
     loaded.tokenizer.save_pretrained(tmp)
     if fit is not None:
@@ -82,7 +87,7 @@ def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None) ->
     _readable_as_umask_allows(tmp)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     return ServingFolder(model=loaded.source.name, architecture=architecture, num_layers=settings.num_layers,
-                         cut=cut, kv_weights=settings.kv_weights, dtype=dtype)
+                         cut=cut, kv_weights=settings.kv_weights, dtype=dtype, min_prompt_tokens=min_prompt_tokens)
 
 
 def _readable_as_umask_allows(folder: Path) -> None:

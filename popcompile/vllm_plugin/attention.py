@@ -9,6 +9,9 @@ backend (``survivor_backend``) builds its metadata for those tokens only, with v
     tokens        [d0 | p0 p1 p2 p3 | q0 q1]    d: decode, p: a prompt that ends here, q: a chunk that does not
     survivors     [d0 |          p3 |      ]    metadata.pop_survivors = [0, 4] (None: every token survives)
 
+A prompt shorter than the folder's ``min_prompt_tokens`` survives whole (runner.py): its request then has
+several survivors, and the reduced metadata's max_query_len is the most any request has.
+
 The stock deep layers then run on the survivors; their K/V writes go to the survivors' own cache slots
 (``survivor_slots``). Every other token's deep K/V is POP's projection, written by ``write_kv`` first.
 """
@@ -37,7 +40,8 @@ def survivor_backend(underlying: type) -> type:
             reduced = common_attn_metadata
             if index is not None:
                 reduced = make_kv_sharing_fast_prefill_common_attn_metadata(dataclasses.replace(
-                    common_attn_metadata, logits_indices_padded=index, num_logits_indices=index.numel()))
+                    common_attn_metadata, logits_indices_padded=index, num_logits_indices=index.numel(),
+                    max_logits_per_req=most_per_request(index, common_attn_metadata)))
             metadata = super().build(common_prefix_len, reduced, fast_build)
             metadata.pop_survivors = index if reduced is not common_attn_metadata else None
             return metadata
@@ -48,17 +52,27 @@ def survivor_backend(underlying: type) -> type:
 def survivor_index(common_attn_metadata) -> torch.Tensor | None:
     """The step's survivor token indices [S] (S may be 0), or None when every token survives.
 
-    runner.py leaves the survivors in the runner's logits index list, padded by repeating the last one
-    (vLLM's own padding), all -1 when no token survives.
+    runner.py leaves the survivors (sorted; one per request, or every token of a short prompt) in the
+    runner's logits index list, padded by repeating the last one (vLLM's own padding), all -1 when no
+    token survives; the list may be longer than ``num_logits_indices`` (one per request).
     """
     padded, count = common_attn_metadata.logits_indices_padded, common_attn_metadata.num_logits_indices
     if padded is None or count is None:  # not armed: profiling, warm-up
         return None
     if common_attn_metadata.max_query_len == 1:  # decode only: every token survives, no work per step
         return None
-    index = torch.unique_consecutive(padded[:count])
+    index = torch.unique_consecutive(padded)
     index = index[index >= 0]
     return None if index.numel() == common_attn_metadata.num_actual_tokens else index
+
+
+def most_per_request(index: torch.Tensor, common_attn_metadata) -> int:
+    """The largest number of survivors [S] that one request has in the step (the reduced max_query_len)."""
+    if not index.numel():
+        return 1
+    starts = common_attn_metadata.query_start_loc_cpu[1:]  # request i's tokens end before starts[i]
+    requests = torch.bucketize(index.cpu(), starts, right=True)
+    return int(torch.bincount(requests).max())
 
 
 def survivors(layer_name: str) -> torch.Tensor | None:

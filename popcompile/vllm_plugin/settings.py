@@ -2,7 +2,10 @@
 
     config.json
       "architectures": ["PopLlamaForCausalLM"]
-      "popcompile": {"cut": 20, "kv_weights": "pop_kv.safetensors" | null, "format": 1}
+      "popcompile": {"cut": 20, "kv_weights": "pop_kv.safetensors" | null, "min_prompt_tokens": 64, "format": 1}
+
+``min_prompt_tokens``: a request whose prompt is shorter runs every prompt token through the full model
+(runner.py); absent (folders written before it existed): 0, POP for every prompt, as those folders served.
 
 ``cut == num_hidden_layers`` serves the unpruned model through the same class. Everything here is
 importable without vLLM (the exporter and the tests use it); the hook runs inside vLLM's config build.
@@ -31,6 +34,7 @@ class PopSettings:
     cut: int
     num_layers: int
     kv_weights: str | None = None
+    min_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.cut, bool) or not isinstance(self.cut, int) or not 1 <= self.cut <= self.num_layers:
@@ -39,6 +43,10 @@ class PopSettings:
         if self.kv_weights not in (None, KV_WEIGHTS_FILE):
             raise ModelError(f"config.json popcompile.kv_weights={self.kv_weights!r}: expected {KV_WEIGHTS_FILE!r} "
                              "or null; export the folder again")
+        threshold = self.min_prompt_tokens
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ModelError(f"config.json popcompile.min_prompt_tokens={threshold!r} is not a token count >= 0: "
+                             "export the folder again with `popcompile export MODEL --target vllm`")
 
     @property
     def prunes(self) -> bool:
@@ -50,10 +58,12 @@ class PopSettings:
         if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
             raise ModelError(f"config.json has no readable {CONFIG_KEY!r} entry of format {FORMAT} ({entry!r}): "
                              "make the folder with `popcompile export MODEL --target vllm`")
-        return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers, kv_weights=entry.get("kv_weights"))
+        return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers, kv_weights=entry.get("kv_weights"),
+                   min_prompt_tokens=entry.get("min_prompt_tokens", 0))
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "cut": self.cut, "kv_weights": self.kv_weights}
+        return {"format": FORMAT, "cut": self.cut, "kv_weights": self.kv_weights,
+                "min_prompt_tokens": self.min_prompt_tokens}
 
 
 def check_vllm_version(version: str) -> None:
