@@ -21,7 +21,7 @@ import torch
 
 from popcompile.cost import speedup_bound
 from popcompile.dynamo import PopBackend, PopOptions
-from popcompile.models import load_model
+from popcompile.frontend.models import load_model
 from popcompile.config import resolve_cut
 
 

@@ -27,8 +27,9 @@ import transformers
 
 from popcompile.cost import speedup_bound
 from popcompile.engine.manifest import BOUNDARIES
-from popcompile.models import load_model
-from popcompile.pipeline import GraphPair, build_graphs
+from popcompile.frontend.models import load_model
+from popcompile.driver import build_graphs
+from popcompile.passes.prefill import GraphPair
 
 SMOLLM2 = "smollm2-135m"
 LLAMA8B_3L = "llama3.1-8b-geometry-3l"

@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-from popcompile import corpus
-from popcompile.tools.eval import data as eval_data
+from popcompile.kvfit import corpus
+from popcompile.measure.eval import data as eval_data
 from popcompile.cost import speedup_bound
 from popcompile.errors import ConfigError
-from popcompile.tools.eval.scoring import compare_generations, matched_prefix, score_continuations
+from popcompile.measure.eval.scoring import compare_generations, matched_prefix, score_continuations
 from popcompile.threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -83,7 +83,7 @@ class Setup:
 def ort_setup(args, part: str) -> Setup:
     import numpy as np
 
-    from popcompile.tools.eval.engine import ENGINE_VARIANTS, EngineRun, EvalTokenizer, continuation_logits, greedy
+    from popcompile.measure.eval.engine import ENGINE_VARIANTS, EngineRun, EvalTokenizer, continuation_logits, greedy
     from popcompile.runtime.ort import PopSession
 
     folder = Path(args.engines) / args.model
@@ -111,8 +111,8 @@ def ort_setup(args, part: str) -> Setup:
 
 def torch_setup(args, part: str) -> Setup:
     from popcompile import reference
-    from popcompile.tools.eval.scoring import continuation_logits, last_logits_only
-    from popcompile.models import load_model
+    from popcompile.measure.eval.scoring import continuation_logits, last_logits_only
+    from popcompile.frontend.models import load_model
     from popcompile.config import resolve_cut
 
     loaded = load_model(args.model)

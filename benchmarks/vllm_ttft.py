@@ -50,7 +50,7 @@ def prompts(folder: Path, lengths: list[int], count: int = 1) -> dict[int, list[
     """``count`` distinct token-id prompts per length, cut from standard-library sources (no download)."""
     from tokenizers import Tokenizer
 
-    from popcompile.corpus import stdlib_texts
+    from popcompile.kvfit.corpus import stdlib_texts
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     stream = [i for _, text in stdlib_texts() for i in tokenizer.encode(text).ids]

@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from popcompile.calibrate import default_batches
+from popcompile.kvfit.calibrate import default_batches
 from popcompile.config import DistillConfig
-from popcompile.distill import DEFAULT_SEQ_LEN, ridge_then_distill
-from popcompile.models import load_model
+from popcompile.kvfit.distill import DEFAULT_SEQ_LEN, ridge_then_distill
+from popcompile.frontend.models import load_model
 from popcompile.reference import Variant
-from popcompile.tools.eval import data as eval_data
-from popcompile.tools.eval.scoring import continuation_eval
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval.scoring import continuation_eval
 
 
 def main() -> None:

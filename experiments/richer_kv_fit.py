@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from popcompile import reference
-from popcompile.tools.eval import data as eval_data
-from popcompile.tools.eval import scoring
-from popcompile.calibrate import default_batches, norm_eps, norm_scale, rms_unit
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import scoring
+from popcompile.kvfit.calibrate import default_batches, norm_eps, norm_scale, rms_unit
 from popcompile.cost import prefill_flops, speedup_bound
 from popcompile.reference import Variant
 
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
                         help="calibration tokens (default 65536, the built-in corpus's default budget)")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     args = parser.parse_args(argv)
-    from popcompile.models import load_model
+    from popcompile.frontend.models import load_model
     from popcompile.config import resolve_cut
 
     loaded = load_model(args.model)

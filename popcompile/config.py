@@ -64,7 +64,7 @@ def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | No
 
 @dataclass(frozen=True)
 class KVCalibration:
-    """POP+ replacement K/V projections for the pruned layers (calibrate.py):
+    """POP+ replacement K/V projections for the pruned layers (kvfit/calibrate.py):
 
     ``none``  plain POP, the paper's (the layers' own k/v projections of h_cut)
     ``auto``     fitted at compile time on the built-in corpus (2-5 min on CPU; export's default)
@@ -197,7 +197,7 @@ class PopConfig:
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """POP++ (distill.py), how to distil: Adam ``steps`` at ``lr`` (one window each), windows shuffled and split with ``seed``;
+    """POP++ (kvfit/distill.py), how to distil: Adam ``steps`` at ``lr`` (one window each), windows shuffled and split with ``seed``;
     ``continuation`` scored tokens at the end of each window; ``held_out`` share of the windows scored
     every ``eval_every`` steps; stop after ``patience`` scores without improvement."""
 

@@ -5,7 +5,7 @@
       calibrate  config.resolve_cut,           the cut for this model's depth; POP+ weights (none | auto | distill
                  distill.kv_fit               | file); distill reports a "distill" step of its own (minutes)
       capture    capture.capture              the decode graph (torch.export, explicit KV interface)
-      POP pass   pipeline.pop_graphs          the prefill graph (passes/boundary.py or passes/pop.py)
+      POP pass   passes.prefill.pop_graphs    the prefill graph (passes/boundary.py or passes/pop.py)
       export     exporters.targets.TARGETS    ONNX (+ TensorRT plans), or a vLLM folder (no capture, no
                                               POP pass: vLLM runs the model), written into a staged folder
       threshold  runtime.open_session         min_prompt_tokens measured on the new folder ("auto")
@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .calibrate import KVFit, read_fit
-from .distill import DISTILL_STEP, kv_fit
-from .capture import capture
-from .config import PopConfig
-from .engine.manifest import EngineManifest
+from .kvfit.calibrate import KVFit, read_fit
+from .kvfit.distill import DISTILL_STEP, kv_fit
+from .frontend.capture import capture
+from .config import PopConfig, resolve_cut
+from .engine.manifest import BOUNDARIES, EngineManifest
 from .errors import ConfigError
 from .exporters.checks import check_output_folder
 from .exporters.targets import Target, target_for
 from .fsutil import destination_lock, staged_folder
-from .models import LoadedModel, load_model
+from .frontend.models import LoadedModel, load_model
 from .passes.pop import KVWeights
-from .pipeline import GraphPair, pop_graphs
+from .passes.prefill import GraphPair, pop_graphs
 
 if TYPE_CHECKING:
     from .exporters.vllm import ServingFolder
@@ -82,6 +82,18 @@ def graphs(model: torch.nn.Module, config: PopConfig, cut: int, fit: KVFit | Non
     captured = capture(model, max_seq=config.max_seq)
     step("POP pass")
     return pop_graphs(captured, cut, fit and cast_weights(fit.weights, config.dtype), config.boundary)
+
+
+def build_graphs(
+    model: torch.nn.Module, *, cut: int | None = None, prune_ratio: float | None = None,
+    max_seq: int | None = None, kv_weights: KVWeights | None = None, boundary: str = "folded",
+) -> GraphPair:
+    """Capture ``model`` and derive its prefill graph (capture + POP pass, no export): cut and boundary are
+    validated before any tracing."""
+    if boundary not in BOUNDARIES:
+        raise ConfigError(f"boundary={boundary!r} is not one of {', '.join(BOUNDARIES)}")
+    cut = resolve_cut(model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
+    return pop_graphs(capture(model, max_seq=max_seq), cut, kv_weights, boundary)
 
 
 def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:

@@ -231,7 +231,7 @@ def _fold(gm: fx.GraphModule, cut: int, kv_weights, static_len: int | None) -> N
 def _kv_weights(opts: PopOptions, cut: int, num_layers: int):
     if opts.kv_calibration.mode == "none" or cut == num_layers:
         return None
-    from .calibrate import check_fit, read_fit
+    from .kvfit.calibrate import check_fit, read_fit
 
     fit = read_fit(opts.kv_calibration)
     check_fit(fit, cut, num_layers)  # ValueError naming the cut to calibrate for

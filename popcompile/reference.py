@@ -12,7 +12,7 @@ the reference shares no code with the graph pass.
 Ablations (``Variant``): ``boundary=False`` prunes x_N too; ``kv_projection=False`` hides the
 pruned positions from the deep layers' attention (they leave no cache); ``shortgpt=True`` removes
 the deep layers in every stage. ``weights`` (``"module path.param" -> tensor``) replaces parameters in
-every stage (the Wanda and SliceGPT baselines of tools/eval/baselines.py).
+every stage (the Wanda and SliceGPT baselines of measure/eval/baselines.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .capture import cache_keyword, use_attention
+from .frontend.capture import cache_keyword, use_attention
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Variant:
     boundary: bool = True
     kv_projection: bool = True
     shortgpt: bool = False
-    # POP+: layer -> {"k_proj"|"v_proj": Projection} used by the pruned prefill (calibrate.py)
+    # POP+: layer -> {"k_proj"|"v_proj": Projection} used by the pruned prefill (kvfit/calibrate.py)
     kv_weights: Mapping[int, Mapping[str, Any]] | None = field(default=None, compare=False, repr=False)
     # "module path.param" -> replacement tensor (any shape), swapped in for every stage (swapped_parameters)
     weights: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)

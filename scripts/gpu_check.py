@@ -292,7 +292,7 @@ def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
     import torch
     from torch.export.passes import move_to_device_pass
 
-    from popcompile.pipeline import build_graphs
+    from popcompile.driver import build_graphs
 
     start = time.perf_counter()
     pair = build_graphs(model, cut=cut_of(plan), max_seq=max(plan.tokens) + 16)

@@ -25,7 +25,7 @@ from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile import fsutil
-from popcompile.calibrate import CalibrationInfo, KVFit, check_finite, load_fit, save_fit
+from popcompile.kvfit.calibrate import CalibrationInfo, KVFit, check_finite, load_fit, save_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import FORMAT, MANIFEST, EngineManifest
 from popcompile.errors import InputError, OutputError

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from popcompile.tools import analyze
-from popcompile.arch import ARCHITECTURES
+from popcompile.measure import analyze
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.cli import main
-from popcompile.passes.gates import gate_pass
+from popcompile.measure.gates import gate_pass
 from tiny import tiny_model
 
 LAYERS = 4
@@ -77,7 +77,7 @@ def test_gates_at_one_leave_outputs_exactly_unchanged(gated):
     ids = windows()[:, :-1]
     from transformers import AttentionInterface
 
-    from popcompile.capture import ATTN_IMPLEMENTATION, pop_attention, use_attention
+    from popcompile.frontend.capture import ATTN_IMPLEMENTATION, pop_attention, use_attention
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
     with use_attention(model, ATTN_IMPLEMENTATION):
@@ -290,7 +290,7 @@ def test_analyze_refuses_other_dtypes():
 @pytest.fixture
 def fake_loader(monkeypatch):
     """``popcompile analyze tiny``: load_model returns a tiny model with the char tokenizer."""
-    from popcompile import models
+    from popcompile.frontend import models
 
     loaded = SimpleNamespace(model=tiny_model("qwen3", layers=3), tokenizer=CharTokenizer())
     monkeypatch.setattr(models, "load_model", lambda name: loaded)
@@ -345,7 +345,7 @@ def test_cli_defaults_are_the_config_defaults():
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_small_run(name, tmp_path):
-    from popcompile.models import load_model
+    from popcompile.frontend.models import load_model
 
     loaded = load_model(name)
     config = analyze.AnalyzeConfig(samples=4, context_len=64, gen_len=16, batch_size=2)

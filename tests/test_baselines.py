@@ -1,4 +1,4 @@
-"""The seed paper's other baselines (tools/eval/baselines.py): Wanda and SliceGPT as weight transforms swapped
+"""The seed paper's other baselines (measure/eval/baselines.py): Wanda and SliceGPT as weight transforms swapped
 into reference.Variant, on tiny random models."""
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from popcompile import corpus, reference
+from popcompile import reference
+from popcompile.kvfit import corpus
 from popcompile.errors import ConfigError
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.reference import Variant
-from popcompile.tools.eval import baselines, scoring
-from popcompile.tools.eval import data as eval_data
-from popcompile.tools.eval import run as eval_run
-from popcompile.tools.eval.config import EvalConfig
+from popcompile.measure.eval import baselines, scoring
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import run as eval_run
+from popcompile.measure.eval.config import EvalConfig
 from tiny import CharTokenizer, tiny_model
 
 LAYERS = 4

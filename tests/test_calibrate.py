@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from popcompile import reference
-from popcompile.arch import ARCHITECTURES
-from popcompile.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
-from popcompile.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
-from popcompile.models import load_model
+from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.kvfit.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
+from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
+from popcompile.frontend.models import load_model
 from tiny import tiny_model
 from tiny_engine import tiny_engine
 
@@ -50,7 +50,7 @@ def test_cut_equal_to_layers_changes_nothing(tmp_path):
     model = tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match="prunes nothing"):
         fit_kv(model, [torch.randint(0, 97, (1, 8))], 4)
-    from popcompile.distill import kv_fit
+    from popcompile.kvfit.distill import kv_fit
 
     assert kv_fit(model, None, 4, "auto") is None
 
@@ -140,7 +140,7 @@ def test_one_pass_fit_of_every_cut_equals_fit_kv(arch, bias):
     """fit_kv_cuts solves the same ridge problems as fit_kv from shared moments (RMS norm = scale * unit
     norm; Gemma 3's scale is 1 + w; Qwen2 has biases). Float64 moments of float32 activations: the
     weights agree to 1e-5 of their scale (measured 1e-7) (float32 rounding of x = norm(h) in fit_kv is the difference)."""
-    from popcompile.calibrate import fit_kv_cuts
+    from popcompile.kvfit.calibrate import fit_kv_cuts
 
     model = tiny_model(arch, layers=5)
     torch.manual_seed(1)
@@ -162,7 +162,7 @@ def test_one_pass_fit_of_every_cut_equals_fit_kv(arch, bias):
 
 
 def test_one_pass_fit_rejects_bad_cuts():
-    from popcompile.calibrate import fit_kv_cuts
+    from popcompile.kvfit.calibrate import fit_kv_cuts
 
     model = tiny_model("llama", layers=4)
     for cuts in ([], [0, 2], [4]):
@@ -213,7 +213,7 @@ def test_files_written_before_the_bias_field_load_as_they_were(tmp_path):
 
 
 def test_shape_check_takes_a_fitted_bias_and_refuses_a_wrong_one():
-    from popcompile.calibrate import KVFit, check_fit_shapes
+    from popcompile.kvfit.calibrate import KVFit, check_fit_shapes
     from popcompile.passes.pop import Projection
 
     model = tiny_model("llama", layers=4)

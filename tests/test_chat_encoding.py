@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoTokenizer, GenerationConfig
 
 from chat_families import FAMILIES, write_family
-from popcompile.tools.eval import data as eval_data
-from popcompile.tools.eval import humaneval
-from popcompile.tools.eval.engine import EvalTokenizer
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import humaneval
+from popcompile.measure.eval.engine import EvalTokenizer
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.tokenizer import EngineTokenizer
 

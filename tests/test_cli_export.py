@@ -6,7 +6,7 @@ from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile.cli import main
-from popcompile.calibrate import load_fit
+from popcompile.kvfit.calibrate import load_fit
 from popcompile.engine.manifest import EngineManifest
 
 

@@ -11,7 +11,7 @@ from tiny import tiny_model
 from tiny_engine import has_tensorrt_gpu, tiny_hf_folder, tiny_tokenizer
 
 import popcompile
-from popcompile.calibrate import fit_kv, save_fit
+from popcompile.kvfit.calibrate import fit_kv, save_fit
 from popcompile.cli import main
 from popcompile.config import KVCalibration, PopConfig
 from popcompile.driver import compile, steps
@@ -20,7 +20,7 @@ from popcompile.engine.tensorrt import TensorRTUnavailable
 from popcompile.errors import ConfigError
 from popcompile.exporters.targets import TARGETS, OnnxTarget, TensorRTTarget, target_for
 from popcompile.exporters.tensorrt import TrtBuildConfig
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 
 LAYERS = 6
 

@@ -10,7 +10,7 @@ import torch
 from tiny import tiny_model
 
 from popcompile import reference
-from popcompile.arch import ARCHITECTURES
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.dynamo import PopBackend, PopFallbackWarning, PopOptions
 from popcompile.errors import ConfigError
 from popcompile.passes.layers import layer_part
@@ -116,7 +116,7 @@ def test_cut_at_depth_equals_plain_generate():
 def test_kv_calibration_equals_pop_plus_reference(tmp_path, arch):
     """qwen2: k/v projections with a bias; llama: a fitted bias on projections that have none (x_N's row keeps
     the model's own projection, passes/boundary.py)."""
-    from popcompile.calibrate import fit_kv, save_fit
+    from popcompile.kvfit.calibrate import fit_kv, save_fit
 
     model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
     batches = [torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
@@ -134,7 +134,7 @@ def test_kv_calibration_equals_pop_plus_reference(tmp_path, arch):
 
 
 def test_kv_calibration_for_another_cut_is_an_error_naming_the_fix(tmp_path):
-    from popcompile.calibrate import fit_kv, save_fit
+    from popcompile.kvfit.calibrate import fit_kv, save_fit
 
     model, ids = tiny_model("llama", layers=6), prompt()
     with torch.no_grad():
@@ -228,7 +228,7 @@ def test_backend_name_resolves_without_importing_popcompile():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from popcompile.models import load_model
+    from popcompile.frontend.models import load_model
 
     return load_model("smollm2-135m")
 

@@ -199,7 +199,7 @@ REAL = {"smollm2-135m": 20, "gemma3-270m": 12}  # default cut: 1/3 of 30 / 18 la
 def test_real_model_generate_without_dynamic_equals_eager_pop(name):
     """The issue's call, no dynamic= and the default min_prompt_tokens: the first prompt and a second of another
     length give the eager POP reference's greedy tokens exactly (inner "eager": the reference's kernels)."""
-    from popcompile.models import load_model
+    from popcompile.frontend.models import load_model
 
     loaded = load_model(name)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -20,11 +20,11 @@ from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.errors import InputError
 from popcompile.driver import export
 from popcompile.exporters.targets import OnnxTarget
-from popcompile.models import load_model
+from popcompile.frontend.models import load_model
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from tiny import empty_past, run_graph, tiny_model
 from tiny_engine import tiny_engine, tiny_tokenizer
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from popcompile.tools.eval import data as eval_data
-from popcompile.tools.eval import engine as eval_engine
-from popcompile.tools.eval import humaneval
-from popcompile.tools.eval import run
-from popcompile.tools.eval import scoring
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import engine as eval_engine
+from popcompile.measure.eval import humaneval
+from popcompile.measure.eval import run
+from popcompile.measure.eval import scoring
 from popcompile.cli import main
 from popcompile.reference import Variant
 from popcompile.runtime.ort import PopSession

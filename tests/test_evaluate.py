@@ -10,18 +10,18 @@ import torch
 from popcompile.cli import build_parser, main
 from popcompile.commands.evaluate import cmd_eval
 from popcompile import reference
-from popcompile import corpus
-from popcompile.tools.eval import config as eval_config
-from popcompile.tools.eval import data as eval_data
-from popcompile.tools.eval import humaneval
-from popcompile.tools.eval import report
-from popcompile.tools.eval import run
-from popcompile.tools.eval import scoring
-from popcompile.tools.eval import sweep
+from popcompile.kvfit import corpus
+from popcompile.measure.eval import config as eval_config
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import humaneval
+from popcompile.measure.eval import report
+from popcompile.measure.eval import run
+from popcompile.measure.eval import scoring
+from popcompile.measure.eval import sweep
 from popcompile.config import DistillConfig
-from popcompile.distill import continuation_kl, default_windows, ridge_then_distill
+from popcompile.kvfit.distill import continuation_kl, default_windows, ridge_then_distill
 from popcompile.errors import ConfigError
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.reference import Variant
 from tiny import CharTokenizer, tiny_model
 
@@ -46,7 +46,7 @@ def docs():
 
 
 def _tiny_fit(model):
-    from popcompile.calibrate import fit_kv
+    from popcompile.kvfit.calibrate import fit_kv
 
     def fit(cut):
         torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_sweep_draws_the_distilled_curve_on_request(model, docs, fits):
 
 
 def test_choose_cut_returns_the_deepest_cut_keeping_agreement(model):
-    from popcompile.models import LoadedModel, ModelSource
+    from popcompile.frontend.models import LoadedModel, ModelSource
 
     loaded = LoadedModel(model, CharTokenizer(), ModelSource("tiny", "folder", "tiny", None))
     cut, figures = sweep.choose_cut(loaded, 1.0, limit=2, prefix_len=24, cont_len=8)
@@ -457,7 +457,7 @@ class ChatCharTokenizer(CharTokenizer):
 def test_chat_task_with_nothing_pruned_carries_the_cache_exactly(model):
     """At cut = L the cache carried across turns (replies as decode steps, each turn's new tokens after the
     kept rows) gives the whole-history prefill's logits; at cut 2 the carried POP rows change them."""
-    from popcompile.tools.eval.chat import CONVERSATIONS, _history, carried_prefill, chat_task
+    from popcompile.measure.eval.chat import CONVERSATIONS, _history, carried_prefill, chat_task
 
     tok, full = ChatCharTokenizer(), Variant(cut=LAYERS)
     conversation = _history(model, tok, CONVERSATIONS[0], full, 5)
@@ -475,8 +475,8 @@ def test_chat_task_runs_each_pop_variant_fresh_and_carried(model):
     """Every CHAT_VARIANTS name given runs twice (a fresh prefill, the carried cache); a refit at cut = L-1 (no
     layer past the cut to refit) equals full; with no POP variant the task is refused, before any model work
     when the config says so."""
-    from popcompile.tools.eval.chat import chat_task
-    from popcompile.tools.eval.config import EvalConfig
+    from popcompile.measure.eval.chat import chat_task
+    from popcompile.measure.eval.config import EvalConfig
 
     tok = ChatCharTokenizer()
     variants = {"pop": Variant(cut=2), "pop-kvfit": Variant(cut=LAYERS - 1, kv_weights={})}
@@ -491,7 +491,7 @@ def test_chat_task_runs_each_pop_variant_fresh_and_carried(model):
 
 
 def test_chat_task_needs_a_chat_template(model):
-    from popcompile.tools.eval.chat import chat_task
+    from popcompile.measure.eval.chat import chat_task
 
     with pytest.raises(ConfigError, match="needs a chat template"):
         chat_task(model, CharTokenizer(), {"pop": Variant(cut=2)}, limit=1, gen_tokens=4)

@@ -1,4 +1,4 @@
-"""The folded boundary on exported graphs (passes/boundary.py via pipeline.build_graphs, the default):
+"""The folded boundary on exported graphs (passes/boundary.py via driver.build_graphs, the default):
 one prefill graph on x_1..x_N that runs x_N alone through the deep layers. Checked against the
 separate pair (POP pass prefill on x_1..x_{N-1} + decode graph on x_N, tests/test_pass.py) and reference.py."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from popcompile import reference
-from popcompile.arch import ARCHITECTURES
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.passes.layers import layer_part
 from popcompile.passes.pop import Projection
-from popcompile.pipeline import build_graphs
+from popcompile.driver import build_graphs
 from tiny import empty_past, greedy_with_graphs, run_graph, tiny_model
 
 ARCHS = sorted(ARCHITECTURES)

@@ -13,7 +13,7 @@ import pytest
 from popcompile.cli import main
 from popcompile.errors import ConfigError, EngineError
 from popcompile.driver import export
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.defaults import SamplingOptions, engine_sampling, resolve_sampling
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.loop import encode_prompt

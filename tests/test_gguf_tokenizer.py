@@ -8,8 +8,8 @@ import gguf
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from popcompile.gguf_tokenizer import apply_special_tokens, gguf_special_tokens
-from popcompile.models import _SOURCE_RECORD, _upgrade_conversion
+from popcompile.frontend.gguf_tokenizer import apply_special_tokens, gguf_special_tokens
+from popcompile.frontend.models import _SOURCE_RECORD, _upgrade_conversion
 
 VOCAB = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "a": 3, "b": 4}
 

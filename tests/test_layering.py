@@ -1,9 +1,11 @@
-"""The package's layering, read from the source (issue 15, popcompile/README.md).
+"""The package's layering, read from the source (issues 15 and 34, popcompile/README.md).
 
+    parts      each top-level part imports only the parts ``MAY_IMPORT`` names for it (the drawing in
+               popcompile/README.md, as a table)
     engine/    the engine-folder contract: no torch, transformers, onnx, onnxruntime, tensorrt or cuda;
                from popcompile only engine/ itself, errors and fsutil
-    runtime/   never the exporters, the CLI commands or the tools (analyze, autocut, eval)
-    tools/     imported by commands/ and tools/ only: the compiler never depends on evaluation
+    runtime/   never the exporters, the CLI commands or the measurement tools (analyze, autocut, eval)
+    measure/   imported by commands/ and measure/ only: the compiler never depends on evaluation
     all        no import cycles among popcompile's modules
 
 Every import counts: module level, inside functions, ``from .. import x`` and
@@ -23,9 +25,34 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "popcompile"
 HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "tensorrt", "cuda")
 ENGINE_MAY_USE = ("popcompile.engine", "popcompile.errors", "popcompile.fsutil")
-RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.tools")
-MAY_USE_TOOLS = ("popcompile.commands", "popcompile.tools")
-COMPILER = ("calibrate.py", "driver.py", "pipeline.py", "config.py", "capture.py", "corpus.py", "passes")
+RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.measure")
+MAY_USE_TOOLS = ("popcompile.commands", "popcompile.measure")
+COMPILER = ("driver.py", "config.py", "frontend", "kvfit", "passes")
+#: top-level part -> the parts it may import (besides itself). Read downward: a part names only parts listed
+#: before it, so the table is the layer order. ``vllm_plugin`` runs inside vLLM and needs only the contract.
+MAY_IMPORT = {
+    "errors": set(),
+    "fsutil": {"errors"},
+    "threshold": {"errors"},
+    "cost": {"errors"},
+    "engine": {"errors", "fsutil"},
+    "config": {"engine", "errors"},
+    "frontend": {"engine", "errors"},
+    "passes": {"config", "engine", "errors", "frontend"},
+    "kvfit": {"config", "errors", "frontend", "fsutil", "passes"},
+    "reference": {"config", "errors", "frontend", "passes"},
+    "runtime": {"cost", "engine", "errors", "fsutil", "threshold"},
+    "vllm_plugin": {"config", "engine", "errors", "frontend"},
+    "exporters": {"config", "engine", "errors", "frontend", "fsutil", "kvfit", "passes", "threshold",
+                  "vllm_plugin"},
+    "dynamo": {"config", "errors", "frontend", "kvfit", "passes", "threshold"},
+    "driver": {"config", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit", "passes", "runtime"},
+    "measure": {"config", "cost", "driver", "engine", "errors", "frontend", "fsutil", "kvfit", "passes",
+                "reference", "runtime", "threshold"},
+    "commands": {"config", "cost", "driver", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit",
+                 "measure", "runtime", "threshold"},
+    "cli": {"commands", "errors"},
+}
 
 
 def module_name(path: Path) -> str:
@@ -107,16 +134,32 @@ def test_runtime_imports_no_exporters_commands_or_quality_tools():
     assert violations("runtime", lambda name: True, forbidden) == []
 
 
-def test_only_commands_and_tools_import_tools():
-    bad = [line for line in violations("", lambda name: True, lambda name: _matches(name, "popcompile.tools"))
+def test_only_commands_and_measure_import_measure():
+    bad = [line for line in violations("", lambda name: True, lambda name: _matches(name, "popcompile.measure"))
            if not any(line.startswith(prefix.replace(".", "/") + "/") for prefix in MAY_USE_TOOLS)]
     assert bad == []
 
 
-def test_compiler_imports_nothing_from_tools():
-    """The compiler (calibrate, driver, pipeline, config, capture, corpus, passes/) needs no eval data or tools."""
+def part(module: str) -> str:
+    """The top-level part of a popcompile module: ``popcompile.kvfit.distill`` -> ``kvfit``."""
+    return module.split(".")[1]
+
+
+def test_each_part_imports_only_the_parts_it_may():
+    tops = {path.stem if path.suffix == ".py" else path.name for path in PACKAGE.iterdir()
+            if (path.suffix == ".py" and path.name != "__init__.py") or (path / "__init__.py").is_file()}
+    assert tops == set(MAY_IMPORT), tops ^ set(MAY_IMPORT)  # a new part is placed in the table on purpose
+    order = list(MAY_IMPORT)
+    assert all(order.index(dep) < order.index(name) for name, deps in MAY_IMPORT.items() for dep in deps)
+    bad = sorted(f"{module}: {dep}" for module, deps in module_graph().items() if module.count(".")
+                 for dep in deps if part(dep) != part(module) and part(dep) not in MAY_IMPORT[part(module)])
+    assert bad == []
+
+
+def test_compiler_imports_nothing_from_measure():
+    """The compiler (driver, config, frontend/, kvfit/, passes/) needs no eval data or measurement tools."""
     def forbidden(name: str) -> bool:
-        return _matches(name, "popcompile.tools")
+        return _matches(name, "popcompile.measure")
 
     bad = []
     for part in COMPILER:
@@ -197,16 +240,20 @@ def test_cycle_finder_finds_cycles():
 
 
 def test_old_paths_are_gone():
-    """The contract moved to engine/, the eval cluster to tools/, without shims left behind."""
+    """The contract moved to engine/, the eval cluster to measure/ (once tools/), loading and capture to
+    frontend/, the K/V fits to kvfit/, pipeline.py into driver.py and passes/prefill.py: no shims left behind."""
     assert not (PACKAGE / "exporters" / "manifest.py").exists()
     assert not (PACKAGE / "kv.py").exists()
+    assert not (PACKAGE / "tools").exists() and not (PACKAGE / "passes" / "gates.py").exists()
+    for old in ("models", "arch", "gguf_tokenizer", "capture", "calibrate", "distill", "corpus", "pipeline"):
+        assert not (PACKAGE / f"{old}.py").exists(), old
     for old in ("analyze", "evaluate", "eval_engine", "eval_config", "eval_data", "eval_report", "sweep", "humaneval"):
         assert not (PACKAGE / f"{old}.py").exists(), old
 
 
 @pytest.mark.parametrize("source, importer, package, expected", [
     ("from ..exporters.manifest import MANIFEST", "popcompile.runtime.x", False, {"popcompile.exporters.manifest"}),
-    ("def f():\n    from ..tools.eval import run", "popcompile.runtime.x", False, {"popcompile.tools.eval.run"}),
+    ("def f():\n    from ..measure.eval import run", "popcompile.runtime.x", False, {"popcompile.measure.eval.run"}),
     ("from .. import driver as d", "popcompile.runtime.x", False, {"popcompile.driver"}),
     ("from . import manifest", "popcompile.engine", True, {"popcompile.engine.manifest"}),
     ("from .kv import KVLayout", "popcompile.engine.manifest", False, {"popcompile.engine.kv"}),
@@ -222,7 +269,7 @@ def test_imports_are_read_as_absolute_names(source, importer, package, expected)
 
 def test_checker_flags_what_it_should():
     assert _heavy("onnxruntime.capi") and _heavy("torch") and not _heavy("torchvision") and not _heavy("numpy")
-    assert _matches("popcompile.tools.eval.data", "popcompile.tools") and not _matches("popcompile.toolsx", "popcompile.tools")
+    assert _matches("popcompile.measure.eval.data", "popcompile.measure") and not _matches("popcompile.measurex", "popcompile.measure")
     assert _matches("popcompile.eval_data", "popcompile.eval_*")
 
 

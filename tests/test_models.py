@@ -1,4 +1,4 @@
-"""Tests for popcompile.models: resolving names and loading (cached) models."""
+"""Tests for popcompile.frontend.models: resolving names and loading (cached) models."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from popcompile import models
-from popcompile.models import (
+from popcompile.frontend import models
+from popcompile.frontend.models import (
     SHIPPED,
     SUPPORTED_MODEL_TYPES,
     ModelNotFoundError,

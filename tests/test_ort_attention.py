@@ -15,7 +15,7 @@ from onnx import numpy_helper
 import onnxruntime as ort
 import pytest
 
-from popcompile.arch import ARCHITECTURES
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from popcompile import reference
-from popcompile.arch import ARCHITECTURES
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.passes.layers import find_layers, layer_part, module_path
 from popcompile.config import resolve_cut
 from popcompile.passes.pop import pop_pass
-from popcompile.pipeline import build_graphs
+from popcompile.driver import build_graphs
 from tiny import TINY, empty_past, greedy_with_graphs, run_graph, tiny_model
 
 ARCHS = sorted(ARCHITECTURES)
@@ -99,8 +99,8 @@ def test_greedy_pop_equals_reference(arch_pair):
 
 def test_decode_graph_is_never_mutated():
     model = tiny_model("llama")
-    from popcompile.capture import capture
-    from popcompile.pipeline import prefill_graph
+    from popcompile.frontend.capture import capture
+    from popcompile.passes.prefill import prefill_graph
 
     captured = capture(model)
     before = [(n.op, str(n.target)) for n in captured.program.graph.nodes]

@@ -27,7 +27,7 @@ from popcompile.exporters.quantize import quantize_weights, untie_gemm_heads
 from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
 from tiny import tiny_model

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from popcompile.models import load_model
+from popcompile.frontend.models import load_model
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.tokenizer import EngineTokenizer, StreamDecoder
 

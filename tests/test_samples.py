@@ -97,7 +97,7 @@ def test_torch_compile_gives_the_pop_reference_tokens(tiny_folder):
     assert done.returncode == 0, done.stderr
     printed = {name: ast.literal_eval(tokens)
                for name, tokens in re.findall(r"^(pop|full): +(\[.*\])$", done.stdout, re.M)}
-    from popcompile.models import load_model
+    from popcompile.frontend.models import load_model
 
     loaded = load_model(str(tiny_folder))
     ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids

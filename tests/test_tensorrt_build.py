@@ -27,7 +27,7 @@ from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnava
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.driver import export
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.generate import Sampler, SamplingConfig
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.trt import EngineIO, TrtSession, resolve_binding

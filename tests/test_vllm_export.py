@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from test_adversarial_cli import fails, fit_file
 from tiny_engine import tiny_hf_folder
 
-from popcompile.calibrate import load_fit
+from popcompile.kvfit.calibrate import load_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import EngineManifest
 from popcompile.errors import EngineError, EnvironmentUnavailable, ModelError, UnsupportedModelError
@@ -72,7 +72,7 @@ def test_a_fitted_bias_is_written_where_the_model_has_none(hf, tmp_path):
     """A fit made with `calibrate --bias` (distill's default) has a k/v bias for llama too: the plugin's PopKV
     then builds every pair with a bias (zero where none is loaded) and loads these tensors over it
     (vllm_plugin/model.py)."""
-    from popcompile.calibrate import CalibrationInfo, KVFit, save_fit
+    from popcompile.kvfit.calibrate import CalibrationInfo, KVFit, save_fit
     from popcompile.passes.pop import Projection
 
     plain = load_fit(fit_file(tmp_path / "plain.safetensors", cut=2, layers=range(3, LAYERS), value=0.25))

@@ -13,7 +13,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from popcompile.driver import export
-from popcompile.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource
 from tiny import tiny_model
 
 

@@ -1,6 +1,6 @@
 """``popcompile analyze``: stage-aware layer importance (virtual gates) and a recommended cut.
 
-Defaults live in ``popcompile.tools.analyze.AnalyzeConfig``: options left out here stay None so that the
+Defaults live in ``popcompile.measure.analyze.AnalyzeConfig``: options left out here stay None so that the
 one dataclass decides them (the help texts name the same numbers; a test keeps them in step).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def config_from_args(args):
     """The AnalyzeConfig of the options given (the dataclass's defaults for the others)."""
-    from ..tools.analyze import AnalyzeConfig
+    from ..measure.analyze import AnalyzeConfig
 
     given = {name: getattr(args, name) for name in CONFIG_OPTIONS if getattr(args, name) is not None}
     return AnalyzeConfig(**given)
@@ -47,8 +47,8 @@ def config_from_args(args):
 def cmd_analyze(args) -> None:
     from tqdm import tqdm
 
-    from ..tools.analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
-    from ..models import load_model
+    from ..measure.analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
+    from ..frontend.models import load_model
 
     config = config_from_args(args)
     if args.out.exists() and not args.out.is_dir():

@@ -1,5 +1,5 @@
 """``popcompile calibrate``: POP+ K/V projections for the pruned layers, closed form (ridge, default) or
-distilled on the output from the ridge fit (distill, POP++: popcompile/distill.py)."""
+distilled on the output from the ridge fit (distill, POP++: popcompile/kvfit/distill.py)."""
 from __future__ import annotations
 
 import argparse
@@ -48,9 +48,9 @@ def cmd_calibrate(args) -> None:
     precheck_model(args.model)
     import torch
 
-    from ..calibrate import fit_kv_cuts, save_fit
-    from ..distill import check_cut
-    from ..models import load_model
+    from ..kvfit.calibrate import fit_kv_cuts, save_fit
+    from ..kvfit.distill import check_cut
+    from ..frontend.models import load_model
     from ..config import resolve_cut
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
@@ -94,7 +94,7 @@ def distill_config(args):
 
 def calibration_batches(args, tokenizer, sources) -> list:
     """[4, --seq-len] token batches of the user's text (or the built-in corpus), --max-tokens at most."""
-    from ..calibrate import default_batches, token_batches
+    from ..kvfit.calibrate import default_batches, token_batches
 
     if sources:
         docs = [tokenizer(text).input_ids for texts in sources.values() for text in texts]
@@ -112,7 +112,7 @@ PHASES = {"teacher": ("win", "full model (ridge fit, distillation's inputs)"), "
 
 def distill_fit(model, windows, cut: int, config, *, ridge: float, bias: bool):
     """(the ridge fit distilled, a note for the summary line), with a progress bar per phase."""
-    from ..distill import ridge_then_distill
+    from ..kvfit.distill import ridge_then_distill
 
     bars: dict = {}  # phase -> its bar, opened at the phase's first report
 

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..tools.eval.config import PROMPT_FORMATS, check_output_folder
+from ..measure.eval.config import PROMPT_FORMATS, check_output_folder
 from .common import add_cut_options, quiet_libraries
 
 
@@ -55,7 +55,7 @@ def register(sub) -> None:
 
 def config_from_args(args):
     """The EvalConfig of the parsed flags (validated there: bad values are one-line ConfigErrors)."""
-    from ..tools.eval.config import EvalConfig, parse_tasks
+    from ..measure.eval.config import EvalConfig, parse_tasks
 
     variants = args.variants and tuple(v.strip() for v in args.variants.split(",") if v.strip())
     return EvalConfig(
@@ -69,8 +69,8 @@ def config_from_args(args):
 def cmd_eval(args) -> None:
     config = config_from_args(args)  # before torch is imported: bad options fail in a second
     check_output_folder(args.out, config.force)
-    from ..tools.eval.report import report
-    from ..tools.eval.run import run_eval
+    from ..measure.eval.report import report
+    from ..measure.eval.run import run_eval
 
     quiet_libraries()
     results = run_eval(args.model, args.out, config)

@@ -126,7 +126,7 @@ def _target(args):
 def _check_auto_cut_calibration(args, config) -> None:
     """--cut auto chooses a cut; a calibration file was fitted for one: both cannot hold unless they agree."""
     if args.cut == "auto" and config.kv_calibration.mode == "file":
-        from ..calibrate import load_fit
+        from ..kvfit.calibrate import load_fit
 
         cut = load_fit(config.kv_calibration.path).info.cut
         raise CliError(f"--cut auto chooses the cut, but --kv-calibration {config.kv_calibration} was fitted for "
@@ -148,12 +148,12 @@ def _compile(args, config, target):
     from tqdm import tqdm
 
     from ..driver import compile, steps
-    from ..models import load_model
+    from ..frontend.models import load_model
 
     quiet_libraries()
     loaded = load_model(args.model)
     if args.cut == "auto":
-        from ..tools.autocut import choose_cut, describe
+        from ..measure.autocut import choose_cut, describe
 
         print(describe(min_agreement=args.min_agreement, budget=args.budget), file=sys.stderr)
         cut, choice = choose_cut(loaded, min_agreement=args.min_agreement, budget=args.budget,

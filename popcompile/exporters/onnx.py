@@ -23,11 +23,11 @@ from typing import Callable
 import onnx
 import torch
 
-from ..calibrate import KVFit
+from ..kvfit.calibrate import KVFit
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
-from ..models import LoadedModel
-from ..pipeline import GraphPair
+from ..frontend.models import LoadedModel
+from ..passes.prefill import GraphPair
 from .ort_attention import lower_for_ort
 from .ort_pack import pack_projections
 from .ort_rotary import fuse_rotary

@@ -31,11 +31,11 @@ from ..threshold import FIXED_MIN_PROMPT_TOKENS
 VLLM_WRITE_STEP = "write vLLM folder"
 
 if TYPE_CHECKING:
-    from ..calibrate import KVFit
+    from ..kvfit.calibrate import KVFit
     from ..config import PopConfig
     from .vllm import ServingFolder
-    from ..models import LoadedModel
-    from ..pipeline import GraphPair
+    from ..frontend.models import LoadedModel
+    from ..passes.prefill import GraphPair
 
 Step = Callable[[str], None]
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..calibrate import KVFit
+from ..kvfit.calibrate import KVFit
 from ..errors import UnsupportedModelError
 from ..fsutil import atomic_write
-from ..models import LoadedModel
+from ..frontend.models import LoadedModel
 from ..vllm_plugin.settings import (BASE_TO_POP, CONFIG_KEY, KV_PREFIX, KV_WEIGHTS_FILE, POP_ARCHITECTURES,
                                     VLLM_VERSION, PopSettings)
 

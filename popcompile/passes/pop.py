@@ -22,7 +22,7 @@ Layers ``0..cut-1`` are unchanged.
 POP+ (``kv_weights``): the deep layers' k/v projections may read replacement weights (and a bias)
 fitted so that ``input_norm_l(h_cut)`` predicts the K/V layer l would really have made. Same nodes:
 only the ``linear`` nodes' weight and bias inputs change; a fitted bias on a projection that had none
-(calibrate.py's default) becomes the node's third input, one add [T, kv_width] more per projection.
+(kvfit/calibrate.py's default) becomes the node's third input, one add [T, kv_width] more per projection.
 """
 from __future__ import annotations
 

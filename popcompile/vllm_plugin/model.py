@@ -84,7 +84,7 @@ class PopKV(nn.Module):
     (POP), replaced by the fitted ones of settings.KV_WEIGHTS_FILE where it has them (POP+: layers
     cut+1..L-1; layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear
     layers repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced. ``fitted``: POP+ weights
-    will be loaded; a fit may carry a bias where the model's projections have none (calibrate.py, ``bias=True``),
+    will be loaded; a fit may carry a bias where the model's projections have none (kvfit/calibrate.py, ``bias=True``),
     so every pair then has one, zero until a fitted or stock bias is loaded over it."""
 
     def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, cut: int,

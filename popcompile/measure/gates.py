@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .layers import INPUT_NORM, Layer, find_layers, layer_part
+from ..passes.layers import INPUT_NORM, Layer, find_layers, layer_part
 
 BRANCHES = ("attn", "mlp")
 STAGES = ("prefill", "decode")

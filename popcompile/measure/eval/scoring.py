@@ -107,7 +107,7 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
 
     Lazy: the first call fits its cut and every cut in ``cuts`` in one pass over the corpus
     (``calibrate.fit_kv_cuts``); later calls for those cuts are free."""
-    from ...calibrate import default_batches, fit_kv_cuts
+    from ...kvfit.calibrate import default_batches, fit_kv_cuts
 
     layers = num_layers(loaded.model)
     fits: dict[int, Any] = {}
@@ -148,7 +148,7 @@ def default_baseline_fit(loaded, options: Any = None) -> Callable[[str], Any]:
     """"wanda"|"slicegpt" -> its weight transform (baselines.py, ``options`` a BaselineOptions, default
     sparsity 0.3 / slicing 0.25), calibrated on the built-in corpus (held out from the evaluation data).
     Lazy: one pass over the corpus per baseline, at its first call."""
-    from ...calibrate import default_batches
+    from ...kvfit.calibrate import default_batches
     from .baselines import TRANSFORMS, BaselineOptions
 
     options = BaselineOptions() if options is None else options
@@ -170,7 +170,7 @@ def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
     corpus, 560 tokens each (prompt 512, 48 scored; distill.default_windows, disjoint from the evaluation data).
     Lazy, one run per cut."""
     from ...config import DistillConfig
-    from ...distill import default_windows, ridge_then_distill
+    from ...kvfit.distill import default_windows, ridge_then_distill
 
     config = DistillConfig() if config is None else config
     fits: dict[int, Any] = {}

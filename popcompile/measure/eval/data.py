@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...corpus import encode, stdlib_texts
+from ...kvfit.corpus import encode, stdlib_texts
 from ...errors import ConfigError, EnvironmentUnavailable
 
 #: Chat instructions for the generation task (short, varied; greedy decoding makes them deterministic).

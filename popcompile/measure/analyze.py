@@ -1,7 +1,7 @@
 """``popcompile analyze``: stage-aware layer importance with virtual gates (Fisher approximation).
 
 Every residual branch (attention, MLP) of every layer gets a gate g = 1 on the prefill positions and
-another on the decode positions (``passes/gates.py``). A gate's importance is ``E[(dL/dg)^2]`` over
+another on the decode positions (``measure/gates.py``). A gate's importance is ``E[(dL/dg)^2]`` over
 sequences: the Fisher approximation of the loss increase when the branch is removed there (g: 1 -> 0).
 "layer" gates both branches with one g: gradient dL/dg_attn + dL/dg_mlp, importance its mean square.
 
@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from ..arch import arch_spec, attention_windows
-from ..capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
+from ..frontend.arch import arch_spec, attention_windows
+from ..frontend.capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
 from ..errors import ConfigError, InputError, ModelError
-from ..corpus import encode
+from ..kvfit.corpus import encode
 from .eval.data import humaneval_problems
 from ..fsutil import atomic_path, atomic_write
-from ..passes.gates import BRANCHES, STAGES, GateResult, gate_pass
+from .gates import BRANCHES, STAGES, GateResult, gate_pass
 from ..config import resolve_cut
 
 #: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).

@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ...arch import arch_spec
+from ...frontend.arch import arch_spec
 from ...errors import ConfigError
 from ...reference import decoder_layers
 

@@ -56,7 +56,7 @@ def run_eval(model_name: str, out: Path, config: EvalConfig | None = None, **opt
     if config.provider is not None or config.threads is not None:
         raise ConfigError("--provider and --threads are for an engine folder (onnxruntime); "
                          f"{model_name} runs through the eager reference")
-    from ...models import load_model
+    from ...frontend.models import load_model
 
     results = reference_eval(load_model(model_name), model_name, config)
     write_results(results, out, config.force)

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .arch import ARCHITECTURES
-from .errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
+from ..errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 
 if TYPE_CHECKING:

@@ -112,7 +112,7 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibratio
     Cost: one continuation pass per cut L..ceil(L/2) over ``limit`` documents (SmolLM2, 12 documents:
     about 10 minutes on 2 CPU cores). Raises ValueError when no cut reaches the agreement.
     """
-    from ...models import load_model
+    from ...frontend.models import load_model
     from ...reference import decoder_layers
     from .scoring import default_kv_fit
 

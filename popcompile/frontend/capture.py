@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .arch import ArchSpec, arch_spec, attention_windows
-from .engine.kv import KVLayout
+from ..engine.kv import KVLayout
 
 ATTN_IMPLEMENTATION = "popcompile"
 

@@ -29,11 +29,11 @@ from typing import Callable, Iterable, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from .arch import arch_spec
-from .config import KVCalibration
-from .errors import ConfigError, InputError, UnsupportedModelError
-from .fsutil import atomic_path
-from .passes.pop import Projection
+from ..frontend.arch import arch_spec
+from ..config import KVCalibration
+from ..errors import ConfigError, InputError, UnsupportedModelError
+from ..fsutil import atomic_path
+from ..passes.pop import Projection
 
 PARTS = ("k_proj", "v_proj")
 #: how the weights were made: closed-form ridge (this module) or distilled on the output (distill.py)

@@ -39,13 +39,13 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from .arch import arch_spec
+from ..frontend.arch import arch_spec
 from .calibrate import (PARTS, CutMoments, KVFit, check_finite, check_fit, check_fit_shapes, default_batches,
                         fit_kv_cuts, load_fit)
-from .capture import cache_keyword
-from .config import DistillConfig, KVCalibration
-from .errors import ConfigError, InputError, UnsupportedModelError
-from .passes.pop import Projection
+from ..frontend.capture import cache_keyword
+from ..config import DistillConfig, KVCalibration
+from ..errors import ConfigError, InputError, UnsupportedModelError
+from ..passes.pop import Projection
 
 #: tokens per window of the built-in corpus: a 512-token prompt, then DistillConfig.continuation (48) scored
 DEFAULT_SEQ_LEN = 560
@@ -159,7 +159,7 @@ def _rope_function(attention: torch.nn.Module) -> Callable:
     rope = getattr(inspect.getmodule(type(attention)), "apply_rotary_pos_emb", None)
     if rope is None:
         raise UnsupportedModelError(f"{type(attention).__name__}'s module has no apply_rotary_pos_emb: "
-                                    "distillation supports the architectures in popcompile/arch.py")
+                                    "distillation supports the architectures in popcompile/frontend/arch.py")
     return rope
 
 

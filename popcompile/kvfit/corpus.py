@@ -1,6 +1,6 @@
 """The built-in text: Python standard-library sources of the running interpreter, read deterministically.
 
-Two disjoint module lists: ``STDLIB_MODULES`` are evaluation documents (tools/eval/data.py),
+Two disjoint module lists: ``STDLIB_MODULES`` are evaluation documents (measure/eval/data.py),
 ``CALIBRATION_MODULES`` the POP+ calibration corpus (calibrate.default_batches), so evaluation stays
 held out from calibration. No download, no torch.
 """
@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from .errors import EnvironmentUnavailable
+from ..errors import EnvironmentUnavailable
 
 #: Standard-library modules used as continuation documents (single files in every CPython >= 3.10).
 STDLIB_MODULES: tuple[str, ...] = (

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ... import reference
-from ...corpus import encode
+from ...kvfit.corpus import encode
 from . import data as eval_data
 from .config import CODE_EXEC_REFUSAL, PROMPT_FORMATS  # noqa: F401 (re-exported)
 from ...reference import Variant

@@ -1,26 +1,24 @@
-"""Capture -> POP pass: the two graphs every exporter consumes (driver.py runs the whole compile).
+"""The POP pass of either boundary over a captured decode graph: the graph pair every exporter consumes.
 
-``build_graphs`` gives the two graphs that every exporter consumes: the decode graph (the captured
-model, untouched) and the prefill graph (the captured model rewritten by a POP pass):
+    decode   the captured model (frontend/capture.py), untouched
+    prefill  a copy of it rewritten by one POP pass, then re-exported (capture.export_flat):
 
-    boundary="folded"    passes/boundary.py: x_1..x_N in, deep layers run x_N alone, logits of x_N out
+    boundary="folded"    boundary.py: x_1..x_N in, deep layers run x_N alone, logits of x_N out
                          (one call to the first token; the default)
-    boundary="separate"  passes/pop.py: x_1..x_{N-1} in, K/V out; the decode graph runs x_N after it
+    boundary="separate"  pop.py: x_1..x_{N-1} in, K/V out; the decode graph runs x_N after it
+
+The driver captures the model and calls ``pop_graphs`` with a cut it has already resolved.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.export import ExportedProgram
 
-from .capture import CapturedModel, capture, export_flat
-from .engine.kv import KVLayout
-from .engine.manifest import BOUNDARIES
-from .passes.boundary import fold_boundary_pass
-from .config import resolve_cut
-from .errors import ConfigError
-from .passes.pop import KVWeights, erase_metadata_asserts, pop_pass
+from ..engine.kv import KVLayout
+from ..frontend.capture import CapturedModel, export_flat
+from .boundary import fold_boundary_pass
+from .pop import KVWeights, erase_metadata_asserts, pop_pass
 
 
 @dataclass(frozen=True)
@@ -50,14 +48,3 @@ def pop_graphs(captured: CapturedModel, cut: int, kv_weights: KVWeights | None =
     """The decode graph (``captured``, untouched) and its prefill graph at ``cut`` (already resolved)."""
     prefill = prefill_graph(captured, cut, kv_weights, boundary)
     return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers, boundary)
-
-
-def build_graphs(
-    model: torch.nn.Module, *, cut: int | None = None, prune_ratio: float | None = None,
-    max_seq: int | None = None, kv_weights: KVWeights | None = None, boundary: str = "folded",
-) -> GraphPair:
-    """Capture ``model`` and derive its prefill graph; cut and boundary are validated before any tracing."""
-    if boundary not in BOUNDARIES:
-        raise ConfigError(f"boundary={boundary!r} is not one of {', '.join(BOUNDARIES)}")
-    cut = resolve_cut(model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
-    return pop_graphs(capture(model, max_seq=max_seq), cut, kv_weights, boundary)
