@@ -154,7 +154,7 @@ def popcompile_engines(specs: list[str], python: Path) -> list[Engine]:
         precision = f"int{bits}" if bits else {"float32": "fp32", "float16": "fp16"}.get(data.get("dtype"), "fp32")
         for mode in ("full", "pop"):
             engines.append(Engine(f"{name}-{mode}", "popcompile", folder, python, precision,
-                                  f"python -m venv .venv && .venv/bin/pip install -e .", mode, name,
+                                  "python -m venv .venv && .venv/bin/pip install -e .", mode, name,
                                   data.get("kv_layout", {}).get("max_seq")))
     return engines
 

@@ -19,10 +19,10 @@ import warnings
 
 import torch
 
+from popcompile.config import resolve_cut
 from popcompile.cost import speedup_bound
 from popcompile.dynamo import PopBackend, PopOptions
 from popcompile.frontend.models import load_model
-from popcompile.config import resolve_cut
 
 
 def prefill(fn, ids: torch.Tensor):

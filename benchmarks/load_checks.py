@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from popcompile.engine.manifest import MANIFEST, EngineManifest, engine_file, sha256_file
+from popcompile.engine.verify import HashCache
 from popcompile.runtime.onnx_refs import external_refs
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.ort_load import load_graph
-from popcompile.engine.verify import HashCache
 
 
 def median_ms(run, reps: int) -> float:

@@ -51,7 +51,11 @@ OPTIMUM = CACHE / "optimum-smollm2"
 
 def real_text() -> str:
     """Standard-library sources (the same text as benchmarks/ttft.py)."""
-    import argparse as a, inspect as i, json.decoder as j, logging as g, textwrap as t
+    import argparse as a
+    import inspect as i
+    import json.decoder as j
+    import logging as g
+    import textwrap as t
     return "\n".join(inspect.getsource(m) for m in (j, t, a, g, i))
 
 

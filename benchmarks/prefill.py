@@ -26,9 +26,9 @@ import torch
 import transformers
 
 from popcompile.cost import speedup_bound
+from popcompile.driver import build_graphs
 from popcompile.engine.manifest import BOUNDARIES
 from popcompile.frontend.models import load_model
-from popcompile.driver import build_graphs
 from popcompile.passes.prefill import GraphPair
 
 SMOLLM2 = "smollm2-135m"

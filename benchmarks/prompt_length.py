@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from popcompile.kvfit import corpus
-from popcompile.measure.eval import data as eval_data
 from popcompile.cost import speedup_bound
 from popcompile.errors import ConfigError
+from popcompile.kvfit import corpus
+from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval.scoring import compare_generations, matched_prefix, score_continuations
 from popcompile.threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
 
@@ -83,7 +83,13 @@ class Setup:
 def ort_setup(args, part: str) -> Setup:
     import numpy as np
 
-    from popcompile.measure.eval.engine import ENGINE_VARIANTS, EngineRun, EvalTokenizer, continuation_logits, greedy
+    from popcompile.measure.eval.engine import (
+        ENGINE_VARIANTS,
+        EngineRun,
+        EvalTokenizer,
+        continuation_logits,
+        greedy,
+    )
     from popcompile.runtime.ort import PopSession
 
     folder = Path(args.engines) / args.model
@@ -111,9 +117,9 @@ def ort_setup(args, part: str) -> Setup:
 
 def torch_setup(args, part: str) -> Setup:
     from popcompile import reference
-    from popcompile.measure.eval.scoring import continuation_logits, last_logits_only
-    from popcompile.frontend.models import load_model
     from popcompile.config import resolve_cut
+    from popcompile.frontend.models import load_model
+    from popcompile.measure.eval.scoring import continuation_logits, last_logits_only
 
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer

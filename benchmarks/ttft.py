@@ -34,8 +34,8 @@ import numpy as np
 import onnxruntime
 
 from popcompile.cost import speedup_bound
-from popcompile.engine.manifest import BOUNDARIES
 from popcompile.driver import export
+from popcompile.engine.manifest import BOUNDARIES
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
@@ -55,7 +55,11 @@ def engine(model: str, dtype: str = "float32", kv_calibration: str = "none", bou
 
 def real_text() -> str:
     """Standard-library sources: real text nobody here wrote, long enough for 2k+ tokens."""
-    import argparse as a, inspect as i, json.decoder as j, logging as g, textwrap as t
+    import argparse as a
+    import inspect as i
+    import json.decoder as j
+    import logging as g
+    import textwrap as t
     return "\n".join(inspect.getsource(m) for m in (j, t, a, g, i))
 
 

@@ -13,10 +13,10 @@ import json
 
 import torch
 
-from popcompile.kvfit.calibrate import CutMoments, default_batches
 from popcompile.frontend.models import load_model
-from popcompile.reference import Variant
+from popcompile.kvfit.calibrate import CutMoments, default_batches
 from popcompile.measure.eval.scoring import reference_generation_task
+from popcompile.reference import Variant
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from popcompile.kvfit import corpus
+from popcompile.kvfit.calibrate import default_batches, fit_kv, token_batches
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import scoring
-from popcompile.kvfit.calibrate import default_batches, fit_kv, token_batches
 from popcompile.reference import Variant
 
 SEQ_LEN, BATCH, TOKENS = 512, 4, 65536
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=12, help="documents and chat prompts (default 12)")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     args = parser.parse_args(argv)
-    from popcompile.frontend.models import load_model
     from popcompile.config import resolve_cut
+    from popcompile.frontend.models import load_model
 
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer

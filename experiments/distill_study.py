@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from popcompile.kvfit.calibrate import default_batches
 from popcompile.config import DistillConfig
-from popcompile.kvfit.distill import DEFAULT_SEQ_LEN, ridge_then_distill
 from popcompile.frontend.models import load_model
-from popcompile.reference import Variant
+from popcompile.kvfit.calibrate import default_batches
+from popcompile.kvfit.distill import DEFAULT_SEQ_LEN, ridge_then_distill
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval.scoring import continuation_eval
+from popcompile.reference import Variant
 
 
 def main() -> None:

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from popcompile import reference
+from popcompile.cost import prefill_flops, speedup_bound
+from popcompile.kvfit.calibrate import default_batches, norm_eps, norm_scale, rms_unit
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import scoring
-from popcompile.kvfit.calibrate import default_batches, norm_eps, norm_scale, rms_unit
-from popcompile.cost import prefill_flops, speedup_bound
 from popcompile.reference import Variant
 
 LINEAR_BLOCKS = ("x", "prev", "mean", "two", "early")  # scaled by s_l like x
@@ -317,8 +317,8 @@ def main(argv=None) -> int:
                         help="calibration tokens (default 65536, the built-in corpus's default budget)")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     args = parser.parse_args(argv)
-    from popcompile.frontend.models import load_model
     from popcompile.config import resolve_cut
+    from popcompile.frontend.models import load_model
 
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .kvfit.calibrate import KVFit, read_fit
-from .kvfit.distill import DISTILL_STEP, kv_fit
-from .frontend.capture import capture
 from .config import PopConfig, resolve_cut
 from .engine.manifest import BOUNDARIES, EngineManifest
 from .errors import ConfigError
 from .exporters.checks import check_output_folder
 from .exporters.targets import Target, target_for
-from .fsutil import destination_lock, staged_folder
+from .frontend.capture import capture
 from .frontend.models import LoadedModel, load_model
+from .fsutil import destination_lock, staged_folder
+from .kvfit.calibrate import KVFit, read_fit
+from .kvfit.distill import DISTILL_STEP, kv_fit
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
 
@@ -138,9 +138,9 @@ def with_min_prompt_tokens(folder: Path, manifest: EngineManifest, config: PopCo
 
 
 def measure_min_prompt_tokens(folder: Path, runtime: str) -> tuple[int, dict]:
+    from .engine.verify import HashCache
     from .runtime import open_session
     from .runtime.compare import measured_min_prompt_tokens
-    from .engine.verify import HashCache
 
     label = "onnxruntime-cpu" if runtime == "onnxruntime" else runtime
     value, record = measured_min_prompt_tokens(open_session(folder, runtime=runtime, hash_cache=HashCache(None)),

@@ -37,7 +37,6 @@ from .passes.layers import find_layers, module_path
 from .passes.static_seq import symbolize_sequence
 from .threshold import FIXED_MIN_PROMPT_TOKENS
 
-
 #: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it; 0: POP
 #: for every prompt). docs/prompt_length.md: the threshold rule (popcompile/threshold.py, 1.2x) on this backend
 #: (inner eager, 16-2048 tokens) gives 16 for SmolLM2 (1.22x at 16) and 64 for Gemma 3 (1.172x / 1.198x / 1.221x at

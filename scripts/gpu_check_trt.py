@@ -19,9 +19,12 @@ class Skip(Exception):
 
 def prompt_ids(folder: Path, n: int) -> list[int]:
     """The first n tokens of real text nobody here wrote (standard-library sources)."""
-    from popcompile.runtime.tokenizer import EngineTokenizer
+    import argparse as a  # noqa: E401
+    import json.decoder as j
+    import logging as g
+    import textwrap as t
 
-    import argparse as a, json.decoder as j, logging as g, textwrap as t  # noqa: E401
+    from popcompile.runtime.tokenizer import EngineTokenizer
     text = "\n".join(inspect.getsource(m) for m in (j, t, a, g, inspect))
     ids = EngineTokenizer.from_folder(folder).encode(text)
     if len(ids) < n:

@@ -25,10 +25,10 @@ from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile import fsutil
-from popcompile.kvfit.calibrate import CalibrationInfo, KVFit, check_finite, load_fit, save_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import FORMAT, MANIFEST, EngineManifest
 from popcompile.errors import InputError, OutputError
+from popcompile.kvfit.calibrate import CalibrationInfo, KVFit, check_finite, load_fit, save_fit
 from popcompile.passes.pop import Projection
 
 LAYERS, HIDDEN, KV_WIDTH = 4, 64, 32  # tiny_model defaults: 4 heads x 16, 2 kv heads x 16

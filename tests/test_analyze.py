@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from popcompile.measure import analyze
-from popcompile.frontend.arch import ARCHITECTURES
-from popcompile.cli import main
-from popcompile.measure.gates import gate_pass
 from tiny import tiny_model
+
+from popcompile.cli import main
+from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.measure import analyze
+from popcompile.measure.gates import gate_pass
 
 LAYERS = 4
 CONTEXT, GEN, BATCH = 12, 6, 2

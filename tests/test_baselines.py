@@ -6,17 +6,17 @@ import math
 
 import pytest
 import torch
+from tiny import CharTokenizer, tiny_model
 
 from popcompile import reference
-from popcompile.kvfit import corpus
 from popcompile.errors import ConfigError
 from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.reference import Variant
+from popcompile.kvfit import corpus
 from popcompile.measure.eval import baselines, scoring
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import run as eval_run
 from popcompile.measure.eval.config import EvalConfig
-from tiny import CharTokenizer, tiny_model
+from popcompile.reference import Variant
 
 LAYERS = 4
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -6,14 +6,14 @@ from collections import Counter
 import onnx
 import pytest
 import torch
+from tiny import tiny_model
+from tiny_engine import tiny_engine
 
 from popcompile import reference
 from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.models import load_model
 from popcompile.kvfit.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
-from popcompile.frontend.models import load_model
-from tiny import tiny_model
-from tiny_engine import tiny_engine
 
 EXACT_ATOL = 1e-5  # the issue's bound for an exactly linear case (float64 solve, float32 apply)
 ONNX_ATOL = KV_TOL = 1e-4  # fp32 ORT vs eager torch: different kernels, same math (test_engine.py's bounds)
@@ -193,7 +193,8 @@ def test_files_written_before_the_bias_field_load_as_they_were(tmp_path):
     model's projection has one, which is what they hold (here: qwen2's own biases)."""
     import json
 
-    from safetensors.torch import load_file as read, save_file
+    from safetensors.torch import load_file as read
+    from safetensors.torch import save_file
 
     model = tiny_model("qwen2", layers=4)
     with torch.no_grad():
@@ -249,10 +250,10 @@ def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
     rows 1..N-1 of every layer are reference.prefill_cache with the fit; x_N's logits and row are the
     reference's boundary step (deep layers' x_N row from the model's own weights, no bias)."""
     import numpy as np
+    from tiny import empty_past
 
     from popcompile.engine.manifest import EngineManifest
     from popcompile.runtime.ort import PopSession
-    from tiny import empty_past
 
     model, fit = _bias_fit(arch, tmp_path / "kv.safetensors")
     folder = tiny_engine(arch, tmp_path / "engine", cut=2, kv_calibration=tmp_path / "kv.safetensors")
@@ -282,13 +283,13 @@ def test_bias_fit_engines_quantise_and_pass_the_tensorrt_check(tmp_path):
     """int8 (MatMulNBits, exporters/quantize.py): the packed k/v MatMul is quantised and its bias Add stays
     float after it; the standard-op graphs the tensorrt target writes pass its compatibility check."""
     import numpy as np
+    from tiny import empty_past
 
     from popcompile.config import WeightQuantization
     from popcompile.engine.manifest import EngineManifest
     from popcompile.exporters.targets import OnnxTarget
     from popcompile.exporters.tensorrt_compat import check_engine
     from popcompile.runtime.ort import PopSession
-    from tiny import empty_past
 
     _bias_fit("llama", tmp_path / "kv.safetensors")
     folders = {fmt: tiny_engine("llama", tmp_path / fmt, cut=2, kv_calibration=tmp_path / "kv.safetensors",

@@ -4,9 +4,9 @@ instruct families whose templates write {{ bos_token }} (tests/chat_families.py:
 from __future__ import annotations
 
 import pytest
+from chat_families import FAMILIES, write_family
 from transformers import AutoTokenizer, GenerationConfig
 
-from chat_families import FAMILIES, write_family
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import humaneval
 from popcompile.measure.eval.engine import EvalTokenizer

@@ -6,8 +6,8 @@ from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile.cli import main
-from popcompile.kvfit.calibrate import load_fit
 from popcompile.engine.manifest import EngineManifest
+from popcompile.kvfit.calibrate import load_fit
 
 
 @pytest.fixture(scope="module")

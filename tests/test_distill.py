@@ -13,13 +13,18 @@ from tiny import TINY, tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile import reference
-from popcompile.frontend.arch import ARCHITECTURES
-from popcompile.kvfit.calibrate import KVFit, fit_kv, fit_kv_cuts, load_fit, save_fit
 from popcompile.cli import main
 from popcompile.config import DistillConfig
-from popcompile.kvfit.distill import (_own_projections, continuation_kl, distill_kv, pop_continuation_logits,
-                               ridge_then_distill)
 from popcompile.errors import ConfigError, InputError
+from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.kvfit.calibrate import KVFit, fit_kv, fit_kv_cuts, load_fit, save_fit
+from popcompile.kvfit.distill import (
+    _own_projections,
+    continuation_kl,
+    distill_kv,
+    pop_continuation_logits,
+    ridge_then_distill,
+)
 from popcompile.reference import Variant
 
 ARCHS = sorted(ARCHITECTURES)

@@ -11,7 +11,6 @@ from tiny import tiny_model
 from tiny_engine import has_tensorrt_gpu, tiny_hf_folder, tiny_tokenizer
 
 import popcompile
-from popcompile.kvfit.calibrate import fit_kv, save_fit
 from popcompile.cli import main
 from popcompile.config import KVCalibration, PopConfig
 from popcompile.driver import compile, steps
@@ -21,6 +20,7 @@ from popcompile.errors import ConfigError
 from popcompile.exporters.targets import TARGETS, OnnxTarget, TensorRTTarget, target_for
 from popcompile.exporters.tensorrt import TrtBuildConfig
 from popcompile.frontend.models import LoadedModel, ModelSource
+from popcompile.kvfit.calibrate import fit_kv, save_fit
 
 LAYERS = 6
 

@@ -10,9 +10,9 @@ import torch
 from tiny import tiny_model
 
 from popcompile import reference
-from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.dynamo import PopBackend, PopFallbackWarning, PopOptions
 from popcompile.errors import ConfigError
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.passes.layers import layer_part
 
 TOL = 1e-5  # fp32, same kernels, different op order (last-position copies)

@@ -13,20 +13,19 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from tiny import empty_past, tiny_model
+from tiny_engine import tiny_engine, tiny_tokenizer
 
 from popcompile import reference
-from popcompile.engine.kv import KVLayout
-from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
-from popcompile.errors import InputError
 from popcompile.driver import export
+from popcompile.engine.kv import KVLayout
+from popcompile.engine.manifest import MANIFEST, EngineManifest
+from popcompile.errors import InputError
 from popcompile.exporters.targets import OnnxTarget
-from popcompile.frontend.models import load_model
+from popcompile.frontend.models import LoadedModel, ModelSource, load_model
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
-from popcompile.frontend.models import LoadedModel, ModelSource
-from tiny import empty_past, run_graph, tiny_model
-from tiny_engine import tiny_engine, tiny_tokenizer
 
 ONNX_ATOL = 1e-4  # fp32 ORT vs eager torch logits: different kernels, same math
 # K/V are compared relative to their size: Gemma 3's values reach ~100, where 1e-4 absolute is below

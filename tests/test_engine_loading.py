@@ -18,15 +18,15 @@ import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_engine import tiny_engine
 
 from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.engine.tensorrt import TrtSection
+from popcompile.engine.verify import HashCache, UnverifiedWeightsWarning
 from popcompile.errors import ConfigError, EngineError, InputError, PopcompileError
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.trt import TrtSession, verify_plans
-from popcompile.engine.verify import HashCache, UnverifiedWeightsWarning
-from tiny_engine import tiny_engine
 
 PROMPT = [[5, 9, 12, 40, 41]]
 

@@ -6,17 +6,15 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from popcompile.measure.eval import data as eval_data
-from popcompile.measure.eval import engine as eval_engine
-from popcompile.measure.eval import humaneval
-from popcompile.measure.eval import run
-from popcompile.measure.eval import scoring
-from popcompile.cli import main
-from popcompile.reference import Variant
-from popcompile.runtime.ort import PopSession
 from tiny import tiny_model
 from tiny_engine import tiny_engine
+
+from popcompile.cli import main
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import engine as eval_engine
+from popcompile.measure.eval import humaneval, run, scoring
+from popcompile.reference import Variant
+from popcompile.runtime.ort import PopSession
 
 # tiny_model's depth, the engine's cut, the word tokenizer's </s>. Cut 2, not 3: at cut L-1 the one pruned
 # layer's K/V come from h_{L-1} in POP too, so POP equals full there and the comparison would prove less.

@@ -6,24 +6,20 @@ import math
 
 import pytest
 import torch
+from tiny import CharTokenizer, tiny_model
 
+from popcompile import reference
 from popcompile.cli import build_parser, main
 from popcompile.commands.evaluate import cmd_eval
-from popcompile import reference
-from popcompile.kvfit import corpus
-from popcompile.measure.eval import config as eval_config
-from popcompile.measure.eval import data as eval_data
-from popcompile.measure.eval import humaneval
-from popcompile.measure.eval import report
-from popcompile.measure.eval import run
-from popcompile.measure.eval import scoring
-from popcompile.measure.eval import sweep
 from popcompile.config import DistillConfig
-from popcompile.kvfit.distill import continuation_kl, default_windows, ridge_then_distill
 from popcompile.errors import ConfigError
 from popcompile.frontend.models import LoadedModel, ModelSource
+from popcompile.kvfit import corpus
+from popcompile.kvfit.distill import continuation_kl, default_windows, ridge_then_distill
+from popcompile.measure.eval import config as eval_config
+from popcompile.measure.eval import data as eval_data
+from popcompile.measure.eval import humaneval, report, run, scoring, sweep
 from popcompile.reference import Variant
-from tiny import CharTokenizer, tiny_model
 
 LAYERS = 4
 #: pop-distill in tests: 30 steps (~2 s), lr 1e-4 (the default) as the tiny model's POP KL is ~2e-4 (3e-4

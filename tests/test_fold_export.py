@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import empty_past, greedy_with_graphs, run_graph, tiny_model
 
 from popcompile import reference
+from popcompile.driver import build_graphs
 from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.passes.layers import layer_part
 from popcompile.passes.pop import Projection
-from popcompile.driver import build_graphs
-from tiny import empty_past, greedy_with_graphs, run_graph, tiny_model
 
 ARCHS = sorted(ARCHITECTURES)
 ATOL = 1e-5  # same kernels on the same rows; reassociation in the one-row matmuls only

@@ -9,14 +9,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from tiny import tiny_model
+from tiny_engine import tiny_engine
 
-from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.driver import cast_model, export
+from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
-from tiny import tiny_model
-from tiny_engine import tiny_engine
 
 # float16 keeps 11 significant bits (relative step 4.9e-4); through 4 tiny layers the rounding of
 # weights and activations adds up to ~1e-3 on logits and K/V of magnitude ~1 (measured 4-7e-4).

@@ -9,17 +9,17 @@ import math
 
 import numpy as np
 import pytest
+from tiny import tiny_model
+from tiny_engine import tiny_tokenizer
 
 from popcompile.cli import main
-from popcompile.errors import ConfigError, EngineError
 from popcompile.driver import export
+from popcompile.errors import ConfigError, EngineError
 from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.defaults import SamplingOptions, engine_sampling, resolve_sampling
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.ort import PopSession
-from tiny import tiny_model
-from tiny_engine import tiny_tokenizer
 
 LLAMA3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}
 FILE = "generation_config.json"

@@ -6,6 +6,7 @@ import types
 
 import numpy as np
 import pytest
+from tiny_engine import tiny_engine
 
 from popcompile.cli import main
 from popcompile.commands.info import summary
@@ -15,7 +16,6 @@ from popcompile.runtime.compare import compare, measure_speedups, measured_min_p
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
 from popcompile.threshold import choose_min_prompt_tokens
-from tiny_engine import tiny_engine
 
 SHORT, LONG = [5, 9, 12], [5, 9, 12, 40, 41, 7, 3, 88, 19, 23, 61]
 GREEDY = SamplingConfig(max_new_tokens=8)

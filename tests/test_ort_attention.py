@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
+from tiny_engine import tiny_engine
 
-from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort
@@ -26,9 +26,9 @@ from popcompile.exporters.ort_views import drop_round_trip_views
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
+from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
-from tiny_engine import tiny_engine
 
 LAYERS, CUT = 4, 3
 # fp32, the same products summed in another order (GQA's kernel vs MatMul + Softmax): measured <= 3e-6 here

@@ -8,14 +8,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import TINY, empty_past, greedy_with_graphs, run_graph, tiny_model
 
 from popcompile import reference
+from popcompile.config import resolve_cut
+from popcompile.driver import build_graphs
 from popcompile.frontend.arch import ARCHITECTURES
 from popcompile.passes.layers import find_layers, layer_part, module_path
-from popcompile.config import resolve_cut
 from popcompile.passes.pop import pop_pass
-from popcompile.driver import build_graphs
-from tiny import TINY, empty_past, greedy_with_graphs, run_graph, tiny_model
 
 ARCHS = sorted(ARCHITECTURES)
 # Exact equality is expected where the graph and eager HF run the same kernels on the same inputs;

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections import Counter
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +16,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
+from tiny import tiny_model
+from tiny_engine import tiny_hf_folder, tiny_tokenizer
 
-from popcompile.config import WeightQuantization
-from popcompile.driver import compile as compile_model, steps
-from popcompile.config import PopConfig
+from popcompile.config import PopConfig, WeightQuantization
+from popcompile.driver import compile as compile_model
+from popcompile.driver import steps
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.exporters.ort_attention import GQA, MHA
@@ -30,8 +32,6 @@ from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
-from tiny import tiny_model
-from tiny_engine import tiny_hf_folder, tiny_tokenizer
 
 ARCHS = ("llama", "gemma3_text")
 LAYERS, CUT = 4, 3

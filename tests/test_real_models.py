@@ -6,12 +6,12 @@ import json.decoder
 
 import pytest
 import torch
+from tiny import empty_past, greedy_with_graphs, run_graph
 
 from popcompile import reference
+from popcompile.driver import build_graphs
 from popcompile.frontend.arch import arch_spec
 from popcompile.frontend.models import load_model
-from popcompile.driver import build_graphs
-from tiny import empty_past, greedy_with_graphs, run_graph
 
 # The graph and eager HF run the same ops; 1e-4 is the bound for fp32 logits (vocab-wide max).
 LOGITS_ATOL = 1e-4

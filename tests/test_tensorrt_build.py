@@ -21,18 +21,18 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from tiny import tiny_model
+from tiny_engine import tiny_tokenizer
 
+from popcompile.driver import export
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
 from popcompile.exporters.targets import OnnxTarget
-from popcompile.driver import export
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
 from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.generate import Sampler, SamplingConfig
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.trt import EngineIO, TrtSession, resolve_binding
-from tiny import tiny_model
-from tiny_engine import tiny_tokenizer
 
 HAS_GPU_STACK = shutil.which("nvidia-smi") is not None and importlib.util.find_spec("tensorrt") is not None
 LOGITS_ATOL = 1e-5  # same ONNX graphs on the same CPU; only masked (zero-weight) rows differ in number

@@ -8,14 +8,20 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from tiny_engine import tiny_engine
 
 from popcompile.engine import tensorrt as trt
 from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
-from popcompile.exporters.tensorrt_compat import (
-    CompatReport, Finding, check_engine, check_model, dynamic_dims, format_table, support_matrix,
-)
 from popcompile.exporters.targets import OnnxTarget
-from tiny_engine import tiny_engine
+from popcompile.exporters.tensorrt_compat import (
+    CompatReport,
+    Finding,
+    check_engine,
+    check_model,
+    dynamic_dims,
+    format_table,
+    support_matrix,
+)
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from chat_families import write_family
+
 from popcompile.errors import ConfigError, EngineError, InputError
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.tokenizer import EngineTokenizer

@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
 from safetensors.torch import load_file
 from test_adversarial_cli import fails, fit_file
 from tiny_engine import tiny_hf_folder
 
-from popcompile.kvfit.calibrate import load_fit
 from popcompile.cli import main
 from popcompile.engine.manifest import EngineManifest
+from popcompile.engine.vllm_folder import is_vllm_folder
 from popcompile.errors import EngineError, EnvironmentUnavailable, ModelError, UnsupportedModelError
 from popcompile.exporters.vllm import pop_architecture
-from popcompile.engine.vllm_folder import is_vllm_folder
+from popcompile.kvfit.calibrate import load_fit
 from popcompile.threshold import FIXED_MIN_PROMPT_TOKENS
 from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, VLLM_VERSION, PopSettings, check_vllm_version
 

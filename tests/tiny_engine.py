@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
+from tiny import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from popcompile.driver import export
 from popcompile.frontend.models import LoadedModel, ModelSource
-from tiny import tiny_model
 
 
 def tiny_tokenizer(vocab_size: int = 97) -> transformers.PreTrainedTokenizerFast:

@@ -22,9 +22,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from popcompile.calibrate import load_fit
-from popcompile.corpus import stdlib_texts
 from popcompile.exporters.vllm import stock_view
+from popcompile.kvfit.calibrate import load_fit
+from popcompile.kvfit.corpus import stdlib_texts
 from popcompile.reference import Variant, generate
 from popcompile.threshold import FIXED_MIN_PROMPT_TOKENS
 from popcompile.vllm_plugin.settings import POP_ARCHITECTURES

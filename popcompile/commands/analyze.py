@@ -47,8 +47,8 @@ def config_from_args(args):
 def cmd_analyze(args) -> None:
     from tqdm import tqdm
 
-    from ..measure.analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
     from ..frontend.models import load_model
+    from ..measure.analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
 
     config = config_from_args(args)
     if args.out.exists() and not args.out.is_dir():

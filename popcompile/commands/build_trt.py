@@ -14,7 +14,6 @@ from ..exporters.tensorrt import BUILD_STEPS, PRECISIONS, TrtBuildConfig
 from ..runtime import RUNTIMES
 
 
-
 def register(sub) -> None:
     p = sub.add_parser("build-trt", help="build TensorRT engines for an engine folder (NVIDIA GPU)",
                        description="Build prefill.plan and decode.plan from the folder's two ONNX graphs with "

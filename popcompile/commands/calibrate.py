@@ -8,8 +8,14 @@ from pathlib import Path
 
 from ..errors import ConfigError, InputError, OutputError
 from ..fsutil import check_destination
-from .common import (add_corpus_options, add_cut_options, check_range, precheck_model, quiet_libraries,
-                     user_sources)
+from .common import (
+    add_corpus_options,
+    add_cut_options,
+    check_range,
+    precheck_model,
+    quiet_libraries,
+    user_sources,
+)
 
 
 def register(sub) -> None:
@@ -48,10 +54,10 @@ def cmd_calibrate(args) -> None:
     precheck_model(args.model)
     import torch
 
+    from ..config import resolve_cut
+    from ..frontend.models import load_model
     from ..kvfit.calibrate import fit_kv_cuts, save_fit
     from ..kvfit.distill import check_cut
-    from ..frontend.models import load_model
-    from ..config import resolve_cut
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()

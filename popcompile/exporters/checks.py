@@ -14,6 +14,7 @@ from ..engine.vllm_folder import is_vllm_folder
 from ..errors import OutputError
 from ..fsutil import check_destination
 
+
 def is_engine_folder(path: Path) -> bool:
     """``path`` holds a popcompile manifest that parses, or is a vLLM folder we wrote (what ``force`` may replace)."""
     try:

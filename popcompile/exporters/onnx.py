@@ -23,10 +23,10 @@ from typing import Callable
 import onnx
 import torch
 
-from ..kvfit.calibrate import KVFit
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..frontend.models import LoadedModel
+from ..kvfit.calibrate import KVFit
 from ..passes.prefill import GraphPair
 from .ort_attention import lower_for_ort
 from .ort_pack import pack_projections

@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Callable, Union
 from ..config import ATTENTION_LOWERINGS, WeightQuantization
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
+from ..threshold import FIXED_MIN_PROMPT_TOKENS
 from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
-from ..threshold import FIXED_MIN_PROMPT_TOKENS
 
 VLLM_WRITE_STEP = "write vLLM folder"
 
 if TYPE_CHECKING:
-    from ..kvfit.calibrate import KVFit
     from ..config import PopConfig
-    from .vllm import ServingFolder
     from ..frontend.models import LoadedModel
+    from ..kvfit.calibrate import KVFit
     from ..passes.prefill import GraphPair
+    from .vllm import ServingFolder
 
 Step = Callable[[str], None]
 

@@ -44,7 +44,15 @@ from typing import Callable
 
 from ..engine.kv import KVLayout
 from ..engine.manifest import EngineManifest, sha256_file
-from ..engine.tensorrt import PLANS, SENTINEL_ROWS, Profile, ShapeRange, TensorRTUnavailable, TrtSection, require_gpu
+from ..engine.tensorrt import (
+    PLANS,
+    SENTINEL_ROWS,
+    Profile,
+    ShapeRange,
+    TensorRTUnavailable,
+    TrtSection,
+    require_gpu,
+)
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write, destination_lock
 

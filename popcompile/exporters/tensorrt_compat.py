@@ -158,8 +158,8 @@ def check_engine(folder: str | Path) -> CompatReport:
     from google.protobuf.message import DecodeError
 
     from ..engine.manifest import RE_EXPORT, EngineManifest
-    from ..errors import EngineError
     from ..engine.verify import HashCache, verify_file
+    from ..errors import EngineError
 
     manifest = EngineManifest.read(folder)
     folder = Path(folder)

@@ -21,12 +21,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..kvfit.calibrate import KVFit
 from ..errors import UnsupportedModelError
-from ..fsutil import atomic_write
 from ..frontend.models import LoadedModel
-from ..vllm_plugin.settings import (BASE_TO_POP, CONFIG_KEY, KV_PREFIX, KV_WEIGHTS_FILE, POP_ARCHITECTURES,
-                                    VLLM_VERSION, PopSettings)
+from ..fsutil import atomic_write
+from ..kvfit.calibrate import KVFit
+from ..vllm_plugin.settings import (
+    BASE_TO_POP,
+    CONFIG_KEY,
+    KV_PREFIX,
+    KV_WEIGHTS_FILE,
+    POP_ARCHITECTURES,
+    VLLM_VERSION,
+    PopSettings,
+)
 
 INDEX = "model.safetensors.index.json"
 

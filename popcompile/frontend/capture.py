@@ -28,8 +28,8 @@ from torch.export import Dim, ExportedProgram
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .arch import ArchSpec, arch_spec, attention_windows
 from ..engine.kv import KVLayout
+from .arch import ArchSpec, arch_spec, attention_windows
 
 ATTN_IMPLEMENTATION = "popcompile"
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .arch import ARCHITECTURES
 from ..errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
+from .arch import ARCHITECTURES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 
 if TYPE_CHECKING:

@@ -29,9 +29,9 @@ from typing import Callable, Iterable, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..frontend.arch import arch_spec
 from ..config import KVCalibration
 from ..errors import ConfigError, InputError, UnsupportedModelError
+from ..frontend.arch import arch_spec
 from ..fsutil import atomic_path
 from ..passes.pop import Projection
 

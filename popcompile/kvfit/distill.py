@@ -39,13 +39,22 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..frontend.arch import arch_spec
-from .calibrate import (PARTS, CutMoments, KVFit, check_finite, check_fit, check_fit_shapes, default_batches,
-                        fit_kv_cuts, load_fit)
-from ..frontend.capture import cache_keyword
 from ..config import DistillConfig, KVCalibration
 from ..errors import ConfigError, InputError, UnsupportedModelError
+from ..frontend.arch import arch_spec
+from ..frontend.capture import cache_keyword
 from ..passes.pop import Projection
+from .calibrate import (
+    PARTS,
+    CutMoments,
+    KVFit,
+    check_finite,
+    check_fit,
+    check_fit_shapes,
+    default_batches,
+    fit_kv_cuts,
+    load_fit,
+)
 
 #: tokens per window of the built-in corpus: a 512-token prompt, then DistillConfig.continuation (48) scored
 DEFAULT_SEQ_LEN = 560

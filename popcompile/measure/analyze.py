@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
+from ..config import resolve_cut
+from ..errors import ConfigError, InputError, ModelError
 from ..frontend.arch import arch_spec, attention_windows
 from ..frontend.capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
-from ..errors import ConfigError, InputError, ModelError
+from ..fsutil import atomic_path, atomic_write
 from ..kvfit.corpus import encode
 from .eval.data import humaneval_problems
-from ..fsutil import atomic_path, atomic_write
 from .gates import BRANCHES, STAGES, GateResult, gate_pass
-from ..config import resolve_cut
 
 #: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).
 DEFAULT_BUDGET = 0.01

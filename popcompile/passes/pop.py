@@ -35,6 +35,7 @@ import torch.fx as fx
 from ..config import resolve_cut
 from .layers import INPUT_NORM, Layer, find_layers, module_path
 
+
 @dataclass(frozen=True)
 class Projection:
     """Replacement weights of one linear projection: weight [out, in], bias [out]."""

@@ -15,13 +15,13 @@ import onnxruntime as ort
 
 from ..engine.kv import KVLayout
 from ..engine.manifest import EngineManifest
+from ..engine.verify import HashCache, verify_folder
 from ..errors import ConfigError, EngineError, EnvironmentUnavailable
 from .kvbuffer import KVBuffer
 from .loop import HostBackend, StepOutputs, threshold
 from .ort_load import check_external_data, check_signature, load_graph, vocab_size
 from .session import Session
 from .tokenizer import EngineTokenizer
-from ..engine.verify import HashCache, verify_folder
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",

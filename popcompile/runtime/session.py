@@ -24,9 +24,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import InputError
+from .chat import History, chat_prompt_ids
 from .defaults import engine_sampling
 from .generate import SamplingConfig
-from .chat import History, chat_prompt_ids
 from .loop import Generation, GenerationResult, TextPiece, encode_prompt, prompt_ids, threshold
 
 

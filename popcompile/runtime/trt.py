@@ -37,10 +37,10 @@ import numpy as np
 
 from ..engine.manifest import EngineManifest, is_file_name
 from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_section, is_count, require_gpu
+from ..engine.verify import HashCache, verify_file
 from ..errors import ConfigError, EngineError, InputError
 from .session import Session
 from .tokenizer import EngineTokenizer
-from ..engine.verify import HashCache, verify_file
 
 KV_BINDINGS = ("auto", "static", "gather")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -386,10 +386,10 @@ def engine_io(trt, engine) -> EngineIO:
 
 def _cudart():
     try:
-        from cuda.bindings import runtime as cudart   # cuda-python >= 12.6
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
     except ImportError:
         try:
-            from cuda import cudart                    # older cuda-python
+            from cuda import cudart  # older cuda-python
         except ImportError:
             raise TensorRTUnavailable("the TensorRT runtime needs cuda-python for device memory: "
                                       "pip install cuda-python") from None

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-
 from vllm.compilation.decorators import support_torch_compile
 
 from .attention import survivor_backend, survivor_slots, survivors, warming_up, write_kv

@@ -40,8 +40,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ...frontend.arch import arch_spec
 from ...errors import ConfigError
+from ...frontend.arch import arch_spec
 from ...reference import decoder_layers
 
 #: "module path.param" -> replacement tensor

@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...kvfit.corpus import encode, stdlib_texts
 from ...errors import ConfigError, EnvironmentUnavailable
+from ...kvfit.corpus import encode, stdlib_texts
 
 #: Chat instructions for the generation task (short, varied; greedy decoding makes them deterministic).
 CHAT_PROMPTS: tuple[str, ...] = (

@@ -33,15 +33,14 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from . import data as eval_data
 from ...engine.manifest import MANIFEST, engine_file
 from ...errors import ConfigError
-from .scoring import (BASELINE, VARIANTS, batch_size_for, generation_task, timed,
-                       score_continuations)
-from .config import EvalConfig
-from .report import write_results
-from .humaneval import humaneval_scores
 from ...runtime.generate import SamplingConfig
+from . import data as eval_data
+from .config import EvalConfig
+from .humaneval import humaneval_scores
+from .report import write_results
+from .scoring import BASELINE, VARIANTS, batch_size_for, generation_task, score_continuations, timed
 
 #: variant -> PopSession mode
 ENGINE_VARIANTS = {"full": "full", "pop": "pop"}

@@ -25,9 +25,9 @@ import torch
 
 from ... import reference
 from ...kvfit.corpus import encode
+from ...reference import Variant
 from . import data as eval_data
 from .config import CODE_EXEC_REFUSAL, PROMPT_FORMATS  # noqa: F401 (re-exported)
-from ...reference import Variant
 
 CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, "
                     "including its signature, in a single ```python code block.\n\n```python\n{prompt}```")

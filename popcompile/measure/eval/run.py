@@ -39,9 +39,19 @@ from .config import EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
 from .humaneval import humaneval_eval
 from .report import write_results
-from .scoring import (check_variants_apply, continuation_eval, default_baseline_fit, default_distill_fit,
-                      default_kv_fit, default_variant_names, describe, make_variants, num_layers,
-                      reference_generation_task, timed)
+from .scoring import (
+    check_variants_apply,
+    continuation_eval,
+    default_baseline_fit,
+    default_distill_fit,
+    default_kv_fit,
+    default_variant_names,
+    describe,
+    make_variants,
+    num_layers,
+    reference_generation_task,
+    timed,
+)
 from .sweep import auto_cuts, sweep, sweep_cuts, sweep_variant_names
 
 

@@ -29,6 +29,7 @@ from ...errors import ConfigError
 from ...reference import Variant
 from . import data as eval_data
 
+
 @dataclass(frozen=True)
 class VariantContext:
     """What a variant factory may use: the cut, the depth, and (lazily) K/V weights for that cut, from

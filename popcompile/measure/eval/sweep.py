@@ -11,10 +11,10 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import data as eval_data
 from ...config import KVCalibration
 from ...errors import ConfigError
 from ...reference import Variant
+from . import data as eval_data
 
 SWEEP_VARIANTS = ("pop", "pop-kvfit", "pop-distill")
 #: the curves ``--sweep`` draws when no variants are named: pop-distill (a distillation per cut) only on request
