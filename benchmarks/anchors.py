@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct on CPU, batch 1, onnxruntime's intra-op threads at 2 everywhere. Engines:
 
-    optimum      optimum-cli export (fp32), run by optimum's ORTModelForCausalLM.generate   (/tmp/optimum-venv)
+    optimum      optimum-cli export (fp32), run by optimum's ORTModelForCausalLM.generate  (/tmp/optimum-venv)
     genai-fp32   onnxruntime-genai model builder export, -p fp32 -e cpu, Generator API    (/tmp/genai-venv)
     genai-int4   the same, -p int4 -e cpu (builder defaults: MatMulNBits, block 32, accuracy level 4)
     NAME-full    a popcompile engine folder given as --engine NAME=PATH, PopSession mode="full"   (.venv)
@@ -97,22 +97,30 @@ class Engine:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=PATH",
-                        help="a popcompile engine folder, measured as NAME-full and NAME-pop (repeatable; its "
-                             "precision, fp32 or intN, is read from its popcompile.json)")
+                        help="a popcompile engine folder, measured as NAME-full and NAME-pop "
+                             "(repeatable; its precision, fp32 or intN, is read from its popcompile.json)")
     parser.add_argument("--engines", nargs="+", metavar="NAME",
                         help="measure only these: anchors (optimum, genai-fp32, genai-int4), --engine NAMEs "
                              "(both modes) or NAME-full / NAME-pop (default: all)")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="prompt lengths (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=3, help="timed generations per worker, after one warm-up (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per length (every second round in reverse order) (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per generation (>= 2) (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads in every engine (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids (default: %(default)s)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096],
+                        help="prompt lengths (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="timed generations per worker, after one warm-up (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds per length (every second round in reverse order) (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=32,
+                        help="greedy tokens per generation (>= 2) (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="onnxruntime intra-op threads in every engine (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random prompt ids (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="also write every raw number here")
     parser.add_argument("--model", type=Path, default=MODEL,
-                        help="the Hugging Face folder whose vocabulary the prompt ids come from (default: %(default)s)")
+                        help="the Hugging Face folder whose vocabulary the prompt ids come from "
+                             "(default: %(default)s)")
     parser.add_argument("--optimum-venv", type=Path, default=Path("/tmp/optimum-venv"),
                         help="optimum's venv (benchmarks/optimum_env.sh) (default: %(default)s)")
     parser.add_argument("--optimum-export", type=Path, default=CACHE / "optimum-smollm2",
@@ -124,8 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--genai-int4", type=Path, default=CACHE / "genai-smollm2-int4",
                         help="model builder export, int4 (default: %(default)s)")
     parser.add_argument("--project-python", type=Path, default=ROOT / ".venv" / "bin" / "python",
-                        help="interpreter with popcompile installed (runs the popcompile workers) (default: %(default)s)")
-    parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds before a worker is killed (default: %(default)s)")
+                        help="interpreter with popcompile installed (runs the popcompile workers) "
+                             "(default: %(default)s)")
+    parser.add_argument("--worker-timeout", type=float, default=1800,
+                        help="seconds before a worker is killed (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.reps < 1 or args.rounds < 1 or args.threads < 1:
         parser.error("--new-tokens must be >= 2; --reps, --rounds and --threads >= 1")
@@ -151,7 +161,8 @@ def popcompile_engines(specs: list[str], python: Path) -> list[Engine]:
                              f"(.venv/bin/popcompile export smollm2-135m --out {folder})")
         data = json.loads(manifest.read_text())
         bits = (data.get("quantization") or {}).get("bits")
-        precision = f"int{bits}" if bits else {"float32": "fp32", "float16": "fp16"}.get(data.get("dtype"), "fp32")
+        precision = (f"int{bits}" if bits
+                     else {"float32": "fp32", "float16": "fp16"}.get(data.get("dtype"), "fp32"))
         for mode in ("full", "pop"):
             engines.append(Engine(f"{name}-{mode}", "popcompile", folder, python, precision,
                                   "python -m venv .venv && .venv/bin/pip install -e .", mode, name,
@@ -175,7 +186,8 @@ def all_engines(args) -> list[Engine]:
     known = {e.name for e in engines} | {e.group for e in engines if e.group}
     unknown = [name for name in args.engines if name not in known]
     if unknown:
-        raise SystemExit(f"--engines {' '.join(unknown)}: unknown; choose from {', '.join(sorted(known))} "
+        raise SystemExit(f"--engines {' '.join(unknown)}: unknown; "
+                         f"choose from {', '.join(sorted(known))} "
                          f"(popcompile engines are named by --engine NAME=PATH)")
     return chosen
 
@@ -189,26 +201,31 @@ def check_ready(engines: list[Engine]) -> None:
     for engine in engines:
         if not engine.python.exists():
             raise SystemExit(f"{engine.name}: no interpreter {engine.python}: run `{engine.setup}`")
-        marker = {"optimum": "model.onnx", "genai": "genai_config.json", "popcompile": "popcompile.json"}[engine.kind]
+        marker = {"optimum": "model.onnx", "genai": "genai_config.json",
+                  "popcompile": "popcompile.json"}[engine.kind]
         if not (engine.path / marker).is_file():
-            raise SystemExit(f"{engine.name}: no export at {engine.path} ({marker} missing): run `{engine.setup}`")
+            raise SystemExit(f"{engine.name}: no export at {engine.path} ({marker} missing): "
+                             f"run `{engine.setup}`")
 
 
 def probe_versions(engines: list[Engine]) -> None:
     cache: dict[Path, dict] = {}
     for engine in engines:
         if engine.python not in cache:
-            out = subprocess.run([str(engine.python), str(WORKER), "--versions"], capture_output=True, text=True,
-                                 timeout=120)
+            out = subprocess.run([str(engine.python), str(WORKER), "--versions"], capture_output=True,
+                                 text=True, timeout=120)
             line = next((l for l in out.stdout.splitlines() if l.startswith(MARKER)), None)
             if line is None:
                 raise SystemExit(f"{engine.name}: {engine.python} cannot run the worker "
-                                 f"({(out.stderr.strip().splitlines() or ['no output'])[-1]}): run `{engine.setup}`")
+                                 f"({(out.stderr.strip().splitlines() or ['no output'])[-1]}): "
+                                 f"run `{engine.setup}`")
             cache[engine.python] = json.loads(line[len(MARKER):])
         engine.versions = cache[engine.python]
-        needed = {"optimum": "optimum-onnx", "genai": "onnxruntime-genai", "popcompile": "popcompile"}[engine.kind]
+        needed = {"optimum": "optimum-onnx", "genai": "onnxruntime-genai",
+                  "popcompile": "popcompile"}[engine.kind]
         if needed not in engine.versions:
-            raise SystemExit(f"{engine.name}: {needed} is not installed in {engine.python}: run `{engine.setup}`")
+            raise SystemExit(f"{engine.name}: {needed} is not installed in {engine.python}: "
+                             f"run `{engine.setup}`")
 
 
 # ---------------------------------------------------------------------------------------------- prompt
@@ -216,7 +233,8 @@ def prompt_ids(model: Path, length: int, seed: int) -> tuple[list[int], dict]:
     """``length`` random token ids of ``model``'s vocabulary, special (added) tokens left out."""
     config_path, tokenizer_path = model / "config.json", model / "tokenizer.json"
     if not config_path.is_file() or not tokenizer_path.is_file():
-        raise SystemExit(f"--model {model}: config.json and tokenizer.json are needed (the prompt ids' vocabulary)")
+        raise SystemExit(f"--model {model}: config.json and tokenizer.json are needed "
+                         f"(the prompt ids' vocabulary)")
     vocab = int(json.loads(config_path.read_text())["vocab_size"])
     added = json.loads(tokenizer_path.read_text()).get("added_tokens", [])
     special = sorted({int(t["id"]) for t in added if t.get("special")})
@@ -229,18 +247,21 @@ def prompt_ids(model: Path, length: int, seed: int) -> tuple[list[int], dict]:
 # ---------------------------------------------------------------------------------------------- running
 def run_worker(engine: Engine, ids_file: Path, n: int, args) -> dict:
     if engine.max_seq is not None and n + args.new_tokens - 1 > engine.max_seq:
-        return {"error": f"max_seq {engine.max_seq} < {n} + {args.new_tokens} - 1: re-export with a larger --max-seq",
+        return {"error": f"max_seq {engine.max_seq} < {n} + {args.new_tokens} - 1: "
+                         f"re-export with a larger --max-seq",
                 "skipped": True}
     command = [str(engine.python), str(WORKER), "--kind", engine.kind, "--path", str(engine.path),
                "--mode", engine.mode, "--ids", str(ids_file), "--tokens", str(n), "--reps", str(args.reps),
                "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
     began = time.perf_counter()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=args.worker_timeout, env=env,
                              cwd=str(ROOT))
     except subprocess.TimeoutExpired:
-        return {"error": f"worker timed out after {args.worker_timeout:.0f} s", "command": shlex.join(command)}
+        return {"error": f"worker timed out after {args.worker_timeout:.0f} s",
+                "command": shlex.join(command)}
     line = next((l for l in reversed(out.stdout.splitlines()) if l.startswith(MARKER)), None)
     if line is None:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
@@ -330,7 +351,8 @@ def table(engines: list[Engine], summary: dict, tokens: list[int], ratios: dict[
         header += [f"{group} {'full' if mode == 'full' else 'POP'} vs anchor" for mode in modes[group]]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * len(header)) + "|"]
     for n in tokens:
-        for metric, label, fmt in (("ttft_s", "TTFT s", "{:.3f}"), ("decode_tok_s", "decode tok/s", "{:.1f}")):
+        for metric, label, fmt in (("ttft_s", "TTFT s", "{:.3f}"),
+                                   ("decode_tok_s", "decode tok/s", "{:.1f}")):
             cells = [str(n), label]
             for e in engines:
                 cell = summary[e.name][n]
@@ -366,7 +388,8 @@ def agreement(engines: list[Engine], summary: dict, tokens: list[int]) -> list[s
                 mine = summary[e.name][n]["token_ids"]
                 if e is reference or not mine or not ref:
                     continue
-                same = next((i for i, (a, b) in enumerate(zip(ref, mine)) if a != b), min(len(ref), len(mine)))
+                same = next((i for i, (a, b) in enumerate(zip(ref, mine)) if a != b),
+                            min(len(ref), len(mine)))
                 parts.append(f"{e.name} {same}/{len(ref)}")
             if parts:
                 lines.append(f"n={n} {precision}: greedy tokens equal to {reference.name}'s for the first k: "
@@ -391,9 +414,11 @@ def main(argv=None) -> None:
     for python, (versions, names) in by_python.items():
         shown = ", ".join(f"{k} {v}" for k, v in versions.items())
         print(f"versions [{', '.join(names)}] ({python}): {shown}")
-    print(f"CPU: {os.cpu_count()} cores; onnxruntime intra-op threads {args.threads}; one process per measurement; "
+    print(f"CPU: {os.cpu_count()} cores; onnxruntime intra-op threads {args.threads}; "
+          f"one process per measurement; "
           f"prompt: {max(args.tokens)} random ids (seed {args.seed}, vocab {prompt['vocab_size']}, "
-          f"{len(prompt['excluded_special_ids'])} special ids excluded), {args.new_tokens} greedy new tokens, "
+          f"{len(prompt['excluded_special_ids'])} special ids excluded), "
+          f"{args.new_tokens} greedy new tokens, "
           f"{args.reps} reps after a warm-up, {args.rounds} rounds")
     if not any(e.group for e in engines):
         print("no popcompile engine (--engine NAME=PATH): only the anchors are measured")
@@ -414,11 +439,12 @@ def main(argv=None) -> None:
     print()
     print(table(engines, summary, args.tokens, ratios))
     print()
-    print(f"Medians over rounds of each worker's median (TTFT s: lower is better; decode tok/s after n cached "
-          f"tokens: higher is better). 'full vs anchor': TTFT / the fastest anchor of the engine's precision "
-          f"(fp32: optimum, genai-fp32), decode / the fastest same-precision anchor. 'POP vs anchor': TTFT / the "
-          f"fastest anchor of any precision, target <= 1/{POP_TARGET} = {1 / POP_TARGET:.3f} (ok / MISS); decode "
-          f"/ the fastest same-precision anchor. Engine precisions: "
+    print(f"Medians over rounds of each worker's median (TTFT s: lower is better; decode tok/s after n "
+          f"cached tokens: higher is better). 'full vs anchor': TTFT / the fastest anchor of the engine's "
+          f"precision (fp32: optimum, genai-fp32), decode / the fastest same-precision anchor. "
+          f"'POP vs anchor': TTFT / the fastest anchor of any precision, "
+          f"target <= 1/{POP_TARGET} = {1 / POP_TARGET:.3f} (ok / MISS); "
+          f"decode / the fastest same-precision anchor. Engine precisions: "
           + ", ".join(f"{e.name} {e.precision}" for e in engines) + ".")
     for line in agreement(engines, summary, args.tokens):
         print(line)
@@ -431,9 +457,9 @@ def main(argv=None) -> None:
         args.json.write_text(json.dumps({
             "command": command, "argv": sys.argv, "elapsed_s": elapsed, "prompt": prompt,
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "engines": [{"name": e.name, "kind": e.kind, "mode": e.mode, "group": e.group, "path": str(e.path),
-                         "python": str(e.python), "precision": e.precision, "max_seq": e.max_seq,
-                         "versions": e.versions} for e in engines],
+            "engines": [{"name": e.name, "kind": e.kind, "mode": e.mode, "group": e.group,
+                         "path": str(e.path), "python": str(e.python), "precision": e.precision,
+                         "max_seq": e.max_seq, "versions": e.versions} for e in engines],
             "summary": {name: {str(n): v for n, v in per.items()} for name, per in summary.items()},
             "derived": {str(n): v for n, v in ratios.items()},
             "runs": [{"engine": name, "tokens": n, **r} for (name, n), rs in runs.items() for r in rs],

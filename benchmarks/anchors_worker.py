@@ -62,8 +62,8 @@ def versions() -> dict:
 # ---------------------------------------------------------------------------------------------- engines
 class Popcompile:
     def __init__(self, path: str, mode: str, threads: int, new_tokens: int):
-        from popcompile.runtime.generate import SamplingConfig
         from popcompile.runtime.ort import PopSession
+        from popcompile.runtime.sampling import SamplingConfig
         self.session = PopSession(path, threads=threads)
         self.session.tokenizer.eos_token_ids = ()  # generate exactly new_tokens tokens, like the others
         self.sampling = SamplingConfig(greedy=True, max_new_tokens=new_tokens)
@@ -82,8 +82,9 @@ class Popcompile:
         wall = time.perf_counter() - began
         steps = len(result.token_ids) - 1
         decode_s = steps / result.decode_tokens_per_s if result.decode_tokens_per_s else 0.0
-        return {"ttft_s": result.ttft_s, "decode_tok_s": result.decode_tokens_per_s, "tokens": result.token_ids,
-                "prefill": result.prefill, "outside_s": wall - result.ttft_s - decode_s}
+        return {"ttft_s": result.ttft_s, "decode_tok_s": result.decode_tokens_per_s,
+                "tokens": result.token_ids, "prefill": result.prefill,
+                "outside_s": wall - result.ttft_s - decode_s}
 
 
 class Optimum:
@@ -99,7 +100,8 @@ class Optimum:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         self.torch, self.new_tokens = torch, new_tokens
-        self.model = ORTModelForCausalLM.from_pretrained(path, session_options=options, provider="CPUExecutionProvider",
+        self.model = ORTModelForCausalLM.from_pretrained(path, session_options=options,
+                                                         provider="CPUExecutionProvider",
                                                          use_cache=True, local_files_only=True)
 
     def check(self, n: int) -> None:
@@ -143,7 +145,8 @@ class Genai:
         if hasattr(og, "disable_telemetry_events"):
             og.disable_telemetry_events()
         config = og.Config(path)
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        config.overlay(json.dumps(
+            {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.og, self.np, self.new_tokens = og, np, new_tokens
         self.model = og.Model(config)
         with open(os.path.join(path, "genai_config.json")) as f:
@@ -212,8 +215,10 @@ def measure(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--versions", action="store_true", help="print this interpreter's package versions and exit")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--versions", action="store_true",
+                        help="print this interpreter's package versions and exit")
     parser.add_argument("--kind", choices=["popcompile", "optimum", "genai"])
     parser.add_argument("--path", help="the engine or export folder")
     parser.add_argument("--mode", choices=["full", "pop"], default="full", help="popcompile only")

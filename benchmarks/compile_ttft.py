@@ -38,7 +38,8 @@ def decode(fn, out, ids: torch.Tensor, steps: int) -> float:
     start = time.perf_counter()
     for i in range(steps):
         position = torch.tensor([[n + i]])
-        out = fn(input_ids=token, position_ids=position, past_key_values=cache, logits_to_keep=1, use_cache=True)
+        out = fn(input_ids=token, position_ids=position, past_key_values=cache, logits_to_keep=1,
+                 use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
     return (time.perf_counter() - start) / steps
 
@@ -56,7 +57,8 @@ def run(args) -> dict:
     layers = model.config.num_hidden_layers
     cut = resolve_cut(layers, cut=args.cut)
     vocab = model.config.vocab_size
-    ids = {n: torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in args.tokens}
+    ids = {n: torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n))
+           for n in args.tokens}
     fns, compile_s = {}, {}
     with torch.no_grad():
         for name in ("inductor", "pop"):
@@ -84,13 +86,15 @@ def run(args) -> dict:
     decode_ratio = statistics.median(steps["inductor"]) / statistics.median(steps["pop"])
     return {"model": args.model, "cut": cut, "num_layers": layers, "reps": args.reps, "rows": rows,
             "compile_s": compile_s, "decode_step_s": {k: statistics.median(v) for k, v in steps.items()},
-            "decode_speed_ratio": decode_ratio, "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "decode_speed_ratio": decode_ratio, "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
 def table(result: dict) -> str:
     lines = [f"{result['model']}, cut {result['cut']}/{result['num_layers']}, medians of {result['reps']} "
              f"interleaved runs, torch {result['torch']}, {result['threads']} threads",
-             "| prompt tokens | inductor TTFT (s) | pop TTFT (s) | speedup | FLOP bound | share of bound gain |",
+             "| prompt tokens | inductor TTFT (s) | pop TTFT (s) | speedup | FLOP bound "
+             "| share of bound gain |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         share = f"{r['of_bound']:.0%}" if r["of_bound"] is not None else "-"
@@ -100,7 +104,8 @@ def table(result: dict) -> str:
     lines.append(f"\ndecode step: inductor {d['inductor'] * 1000:.1f} ms, pop {d['pop'] * 1000:.1f} ms "
                  f"(speed ratio pop/inductor {result['decode_speed_ratio']:.3f})")
     c = result["compile_s"]
-    lines.append(f"compile (first call, excluded above): inductor {c['inductor']:.0f} s, pop {c['pop']:.0f} s")
+    lines.append(f"compile (first call, excluded above): inductor {c['inductor']:.0f} s, "
+                 f"pop {c['pop']:.0f} s")
     return "\n".join(lines)
 
 

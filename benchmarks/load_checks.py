@@ -3,7 +3,8 @@
     python benchmarks/load_checks.py /work/cache/engines/smollm2-135m --reps 5
 
 Works on a private copy of the folder (hard links where the file system allows, so no bytes are copied;
-a manifest without a weights sha256 gets one in the copy) and a private hash cache, so the user's ~/.cache is never touched. Stages:
+a manifest without a weights sha256 gets one in the copy) and a private hash cache, so the user's
+~/.cache is never touched. Stages:
 manifest read + validation, path resolution, sha256 of each file (no cache), the cache lookup that
 replaces it, the external-data scan of each graph, onnxruntime's session creation, and whole
 PopSession loads without and with a warm hash cache. Medians of ``--reps`` runs; the page cache is warm
@@ -56,13 +57,15 @@ def stages(folder: Path, reps: int, cache_dir: Path) -> list[tuple[str, float]]:
     import onnxruntime as ort
 
     manifest = EngineManifest.read(folder)
-    files = {name: entry.file for name, entry in manifest.graphs.items()} | {"weights": manifest.weights["file"]}
+    files = ({name: entry.file for name, entry in manifest.graphs.items()}
+             | {"weights": manifest.weights["file"]})
     rows = [("manifest read + validation", median_ms(lambda: EngineManifest.read(folder), reps)),
             ("resolve 3 paths inside the folder",
              median_ms(lambda: [engine_file(folder, f, k) for k, f in files.items()], reps))]
-    for name, file in files.items():
+    for _name, file in files.items():
         size = (folder / file).stat().st_size / 2**20
-        rows.append((f"sha256 {file} ({size:.1f} MiB)", median_ms(lambda: sha256_file(folder / file), reps)))
+        rows.append((f"sha256 {file} ({size:.1f} MiB)",
+                     median_ms(lambda file=file: sha256_file(folder / file), reps)))
     cache = HashCache(cache_dir)
     PopSession(folder, hash_cache=cache)  # fills the cache
     lookups = [(folder / f, (folder / f).stat()) for f in files.values()]
@@ -70,17 +73,21 @@ def stages(folder: Path, reps: int, cache_dir: Path) -> list[tuple[str, float]]:
                  median_ms(lambda: [cache.lookup(p.resolve(), s) for p, s in lookups], reps)))
     for name in manifest.graphs:
         data = (folder / files[name]).read_bytes()
-        rows.append((f"external-data scan of {files[name]}", median_ms(lambda: external_refs(data), reps)))
+        rows.append((f"external-data scan of {files[name]}",
+                     median_ms(lambda data=data: external_refs(data), reps)))
     rows.append(("onnxruntime sessions (both graphs)", median_ms(
         lambda: [load_graph(folder / files[n], ort.SessionOptions(), ["CPUExecutionProvider"])
                  for n in manifest.graphs], reps)))
-    rows.append(("PopSession, no hash cache", median_ms(lambda: PopSession(folder, hash_cache=HashCache(None)), reps)))
-    rows.append(("PopSession, warm hash cache", median_ms(lambda: PopSession(folder, hash_cache=cache), reps)))
+    rows.append(("PopSession, no hash cache",
+                 median_ms(lambda: PopSession(folder, hash_cache=HashCache(None)), reps)))
+    rows.append(("PopSession, warm hash cache",
+                 median_ms(lambda: PopSession(folder, hash_cache=cache), reps)))
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()

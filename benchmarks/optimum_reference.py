@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 from popcompile.runtime.tokenizer import EngineTokenizer
 
 CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
@@ -163,21 +163,26 @@ def measure(optimum: OptimumModel, session: PopSession, ids: list[int], reps: in
             times[name].append(runs[name]())
     med = {name: statistics.median(values) for name, values in times.items()}
     return {"tokens": len(ids), "optimum_s": med["optimum"], "full_s": med["full"], "pop_s": med["pop"],
-            "full_over_optimum": med["full"] / med["optimum"], "optimum_over_pop": med["optimum"] / med["pop"],
-            "paired_full_over_optimum": statistics.median(f / o for f, o in zip(times["full"], times["optimum"])),
+            "full_over_optimum": med["full"] / med["optimum"],
+            "optimum_over_pop": med["optimum"] / med["pop"],
+            "paired_full_over_optimum": statistics.median(
+                f / o for f, o in zip(times["full"], times["optimum"])),
             "times": times, **({"optimum_last_s": med["optimum_last"],
                                 "full_over_optimum_last": med["full"] / med["optimum_last"]} if last else {})}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", type=Path, default=ENGINE, help="popcompile engine folder")
-    parser.add_argument("--optimum", type=Path, default=OPTIMUM, help="optimum-cli export folder (model.onnx)")
+    parser.add_argument("--optimum", type=Path, default=OPTIMUM,
+                        help="optimum-cli export folder (model.onnx)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--check-tokens", type=int, default=512, help="prompt length of the logits check")
     parser.add_argument("--last-logits", action="store_true",
-                        help="also time optimum's graph with the LM head on the last position only (diagnostic)")
+                        help="also time optimum's graph with the LM head on the last position only "
+                             "(diagnostic)")
     parser.add_argument("--last-logits-dir", type=Path, default=Path("/tmp/optimum-smollm2-last-logits"))
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
@@ -189,11 +194,14 @@ def main() -> None:
     if max(args.tokens + [args.check_tokens]) > len(ids_all):
         raise SystemExit(f"the text has only {len(ids_all)} tokens")
     print(f"onnxruntime {ort.__version__} CPU, {platform.processor() or platform.machine()}, "
-          f"default SessionOptions; engine {args.engine.name} (cut {session.manifest.cut}), optimum {args.optimum}")
+          f"default SessionOptions; engine {args.engine.name} (cut {session.manifest.cut}), "
+          f"optimum {args.optimum}")
 
     check = check_same_model(optimum, session, ids_all[:args.check_tokens])
-    print(f"logits check on {check['tokens']} tokens: max|full - optimum| = {check['full_vs_optimum_max_abs']:.2e}, "
-          f"max|POP - optimum| = {check['pop_vs_optimum_max_abs']:.2e} (max|logit| {check['logit_scale']:.1f}); "
+    print(f"logits check on {check['tokens']} tokens: "
+          f"max|full - optimum| = {check['full_vs_optimum_max_abs']:.2e}, "
+          f"max|POP - optimum| = {check['pop_vs_optimum_max_abs']:.2e} "
+          f"(max|logit| {check['logit_scale']:.1f}); "
           f"argmax optimum/full/POP = {check['argmax']}", flush=True)
     if last is not None:
         probe = ids_all[:args.check_tokens]
@@ -202,7 +210,8 @@ def main() -> None:
         print(f"optimum last-position variant: max|last - optimum| = {diff:.2e}")
 
     extra = f" {'opt last s':>10} {'full/last':>9}" if last else ""
-    print(f"{'tokens':>6} {'optimum s':>9} {'full s':>8} {'POP s':>8} {'full/opt':>8} {'opt/POP':>8} {'paired f/o':>10}"
+    print(f"{'tokens':>6} {'optimum s':>9} {'full s':>8} {'POP s':>8} {'full/opt':>8} {'opt/POP':>8} "
+          f"{'paired f/o':>10}"
           + extra)
     rows = []
     for n in args.tokens:

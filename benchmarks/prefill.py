@@ -151,14 +151,16 @@ def measure(
     return full_s, pop_s
 
 
-def run_model(name: str, tokens: Sequence[int], reps: int, warmup: int, boundary: str = "folded") -> list[Result]:
+def run_model(name: str, tokens: Sequence[int], reps: int, warmup: int,
+              boundary: str = "folded") -> list[Result]:
     cut, _ = MODELS[name]
     model = load_benchmark_model(name)
     pair = build_graphs(model, cut=cut, max_seq=max(max(tokens), 2), boundary=boundary)
     results = []
     for n in tokens:
         full_s, pop_s = measure(pair, model.config.vocab_size, n, reps, warmup)
-        results.append(Result(name, n, cut, pair.num_layers, full_s, pop_s, speedup_bound(model.config, n, cut)))
+        results.append(Result(name, n, cut, pair.num_layers, full_s, pop_s,
+                              speedup_bound(model.config, n, cut)))
         print(format_row(results[-1]), flush=True)
     return results
 
@@ -168,8 +170,9 @@ HEADER = ("model", "tokens", "cut", "full median s", "POP median s", "measured r
 
 
 def format_row(r: Result) -> str:
-    cells = (r.model, str(r.tokens), f"{r.cut}/{r.num_layers}", f"{r.full_median:.3f}", f"{r.pop_median:.3f}",
-             f"{r.ratio:.3f}x", f"{r.paired_ratio:.3f}x", f"{r.bound:.3f}x", f"{100 * r.ratio / r.bound:.1f}%")
+    cells = (r.model, str(r.tokens), f"{r.cut}/{r.num_layers}", f"{r.full_median:.3f}",
+             f"{r.pop_median:.3f}", f"{r.ratio:.3f}x", f"{r.paired_ratio:.3f}x", f"{r.bound:.3f}x",
+             f"{100 * r.ratio / r.bound:.1f}%")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -184,9 +187,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
     parser.add_argument("--tokens", default=None,
                         help="comma-separated prompt lengths for every model (default: per model, "
-                             + "; ".join(f"{m}: {','.join(map(str, t))}" for m, (_, t) in MODELS.items()) + ")")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each variant (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each variant first (default 1)")
+                             + "; ".join(f"{m}: {','.join(map(str, t))}" for m, (_, t) in MODELS.items())
+                             + ")")
+    parser.add_argument("--reps", type=int, default=5,
+                        help="timed repetitions of each variant (default 5)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs of each variant first (default 1)")
     parser.add_argument("--boundary", choices=BOUNDARIES, default="folded",
                         help="POP's prefill graph: x_N folded in (default) or a separate decode-graph step")
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON to OUT")

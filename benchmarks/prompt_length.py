@@ -27,7 +27,8 @@ the report), so no two onnxruntime thread pools or compiled models share a proce
         --figure docs/prompt_length.png
     python benchmarks/prompt_length.py quality --runtime onnxruntime --model smollm2-135m \\
         --engines /work/cache/engines --out out/prompt_length
-    python benchmarks/prompt_length.py speed --runtime torch-compile --model gemma3-270m --out out/prompt_length
+    python benchmarks/prompt_length.py speed --runtime torch-compile --model gemma3-270m \\
+        --out out/prompt_length
     python benchmarks/prompt_length.py report --out out/prompt_length --figure docs/prompt_length.png
 """
 from __future__ import annotations
@@ -127,14 +128,16 @@ def torch_setup(args, part: str) -> Setup:
     cut = resolve_cut(layers)  # the backend's default (1/3 pruned)
     details = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if part == "speed":
-        return Setup(tok, cut, layers, model.config, "POP (paper)", ttft=compiled_ttft(model, tok, cut, args, details),
-                     details=details)
+        return Setup(tok, cut, layers, model.config, "POP (paper)",
+                     ttft=compiled_ttft(model, tok, cut, args, details), details=details)
     variants = {"full": reference.Variant(layers), "pop": reference.Variant(cut)}
     logits = lambda mode, prefix, target: continuation_logits(model, prefix, target, variants[mode])
 
     def generate(mode: str, ids: list[int]) -> list[int]:
-        with last_logits_only(model):  # generate reads the last row only; Gemma 3's all-row head costs more than its layers
-            return reference.generate(model, torch.tensor([ids]), args.new_tokens, variants[mode], tok.eos_token_id)
+        # generate reads the last row only; Gemma 3's all-row head costs more than its layers
+        with last_logits_only(model):
+            return reference.generate(model, torch.tensor([ids]), args.new_tokens, variants[mode],
+                                      tok.eos_token_id)
     details["quality_path"] = "reference.py (eager), the specification the backend is tested against"
     return Setup(tok, cut, layers, model.config, "POP (paper)", logits, generate, details=details)
 
@@ -158,7 +161,8 @@ def compiled_ttft(model, tok, cut: int, args, details: dict) -> Callable[[str, i
             details["compile_s"][mode] = prefill(fn, ids[:, :args.lengths[0]])[0]
     kinds = [record.kind for record in backend.records]
     if "prefill-pop" not in kinds:
-        raise RuntimeError(f"the pop backend pruned no graph (records: {kinds}): the timing would be full vs full")
+        raise RuntimeError(f"the pop backend pruned no graph (records: {kinds}): "
+                           f"the timing would be full vs full")
     details["pop_graphs"] = kinds
 
     def ttft(mode: str, n: int) -> float:
@@ -174,7 +178,8 @@ RUNTIMES: dict[str, Callable] = {"onnxruntime": ort_setup, "torch-compile": torc
 # --- data --------------------------------------------------------------------------------------
 
 def long_texts(tok, count: int, need: int) -> list[tuple[str, str]]:
-    """The first ``count`` stdlib sources (sorted) of at least ``need`` tokens: the same texts at every length."""
+    """The first ``count`` stdlib sources (sorted) of at least ``need`` tokens: the same texts at every
+    length."""
     texts = [(name, text) for name, text in corpus.stdlib_texts() if len(corpus.encode(tok, text)) >= need]
     if len(texts) < count:
         raise ValueError(f"only {len(texts)} stdlib sources have {need} tokens; ask for fewer --docs")
@@ -194,15 +199,18 @@ def quality(setup: Setup, args) -> list[dict]:
     rows = []
     for n in args.lengths:
         docs, _ = eval_data.make_documents({"stdlib": texts}, setup.tokenizer, n, args.cont)
-        scores = score_continuations(docs, list(MODES), setup.logits, batch_size=len(docs), desc=f"{n} tokens")
+        scores = score_continuations(docs, list(MODES), setup.logits, batch_size=len(docs),
+                                     desc=f"{n} tokens")
         gens = compare_generations([list(d.prefix) for d in docs], list(MODES), setup.generate)
         prefixes = [matched_prefix(p, f) for p, f in zip(gens["pop"]["tokens"], gens["full"]["tokens"])]
-        rows.append({"tokens": n, "documents": [d.name for d in docs], "agreement": scores["pop"]["agreement"],
-                     "doc_agreement": scores["pop"]["doc_agreement"], "kl_to_full": scores["pop"]["kl_to_full"],
+        rows.append({"tokens": n, "documents": [d.name for d in docs],
+                     "agreement": scores["pop"]["agreement"], "doc_agreement": scores["pop"]["doc_agreement"],
+                     "kl_to_full": scores["pop"]["kl_to_full"],
                      "nll_full": scores["full"]["nll"], "nll_pop": scores["pop"]["nll"],
                      "matched_prefix": statistics.mean(prefixes), "doc_matched_prefix": prefixes,
                      "exact_match": gens["pop"]["exact_match"], "full_length": gens["full"]["mean_length"]})
-        print(f"{n:>5} tokens: agreement {rows[-1]['agreement']:.3f}, matched prefix {rows[-1]['matched_prefix']:.1f}"
+        print(f"{n:>5} tokens: agreement {rows[-1]['agreement']:.3f}, "
+              f"matched prefix {rows[-1]['matched_prefix']:.1f}"
               f"/{args.new_tokens} {prefixes}", flush=True)
     return rows
 
@@ -222,12 +230,14 @@ def speed(setup: Setup, args) -> list[dict]:
     rows = []
     for n in args.lengths:
         full, pop = times[("full", n)], times[("pop", n)]
-        rows.append({"tokens": n, "reps": reps[n], "full_s": statistics.median(full), "pop_s": statistics.median(pop),
+        rows.append({"tokens": n, "reps": reps[n], "full_s": statistics.median(full),
+                     "pop_s": statistics.median(pop),
                      "speedup": statistics.median(full) / statistics.median(pop),
                      "paired": statistics.median(f / p for f, p in zip(full, pop)),
                      "bound": speedup_bound(setup.config, n, setup.cut), "full_all": full, "pop_all": pop})
         print(f"{n:>5} tokens: full {rows[-1]['full_s']:.4f} s, pop {rows[-1]['pop_s']:.4f} s, speedup "
-              f"{rows[-1]['speedup']:.3f} (paired {rows[-1]['paired']:.3f}), bound {rows[-1]['bound']:.3f}", flush=True)
+              f"{rows[-1]['speedup']:.3f} (paired {rows[-1]['paired']:.3f}), bound {rows[-1]['bound']:.3f}",
+              flush=True)
     return rows
 
 
@@ -250,7 +260,8 @@ def measure(args) -> None:
 
 
 def _options(args) -> dict:
-    return {k: getattr(args, k) for k in ("lengths", "docs", "cont", "new_tokens", "reps", "inner", "threads")}
+    return {k: getattr(args, k)
+            for k in ("lengths", "docs", "cont", "new_tokens", "reps", "inner", "threads")}
 
 
 def result_path(out: str | Path, model: str, runtime: str, part: str) -> Path:
@@ -303,18 +314,20 @@ def table(model: str, runtime: str, parts: dict[str, dict], min_speedup: float) 
     new_tokens = any_part["options"]["new_tokens"]
     cell = lambda row, key, fmt: format(row[key], fmt) if key in row else "-"
     chosen = threshold(rows, min_speedup) or ("none (no length pays)" if "speed" in parts else "not timed")
-    lines = [f"**{model}, {runtime}** (cut {any_part['cut']}/{any_part['num_layers']}, {any_part['pop_weights']}; "
-             f"min_prompt_tokens = {chosen})", "",
+    lines = [f"**{model}, {runtime}** (cut {any_part['cut']}/{any_part['num_layers']}, "
+             f"{any_part['pop_weights']}; min_prompt_tokens = {chosen})", "",
              "| prompt tokens | full TTFT s | POP TTFT s | speedup | paired | FLOP bound | matched prefix "
              f"(of {new_tokens}) | exact | agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {cell(r, 'full_s', '.4f')} | {cell(r, 'pop_s', '.4f')} | "
-                     f"{cell(r, 'speedup', '.3f')} | {cell(r, 'paired', '.3f')} | {cell(r, 'bound', '.3f')} | "
-                     f"{cell(r, 'matched_prefix', '.1f')} | {cell(r, 'exact_match', '.2f')} | {cell(r, 'agreement', '.3f')} |")
+                     f"{cell(r, 'speedup', '.3f')} | {cell(r, 'paired', '.3f')} | "
+                     f"{cell(r, 'bound', '.3f')} | {cell(r, 'matched_prefix', '.1f')} | "
+                     f"{cell(r, 'exact_match', '.2f')} | {cell(r, 'agreement', '.3f')} |")
     speed_part = parts.get("speed")
     if speed_part:
         inner = f"inner backend {speed_part['inner']}, " if "inner" in speed_part else ""
-        lines.append(f"\nspeed: {inner}{speed_part['started']}, load average before {speed_part['load_before'][0]:.2f}, "
+        lines.append(f"\nspeed: {inner}{speed_part['started']}, "
+                     f"load average before {speed_part['load_before'][0]:.2f}, "
                      f"after {speed_part['load_after'][0]:.2f}"
                      + (f", compile s {json.dumps({k: round(v) for k, v in speed_part['compile_s'].items()})}"
                         if "compile_s" in speed_part else ""))
@@ -322,7 +335,8 @@ def table(model: str, runtime: str, parts: dict[str, dict], min_speedup: float) 
 
 
 def report(args) -> None:
-    found = {(m, r): parts for m in args.models for r in args.runtimes if (parts := load_results(Path(args.out), m, r))}
+    found = {(m, r): parts for m in args.models for r in args.runtimes
+             if (parts := load_results(Path(args.out), m, r))}
     for (model, runtime), parts in found.items():
         print(table(model, runtime, parts, args.min_speedup) + "\n")
     if args.figure and found:
@@ -364,7 +378,8 @@ def _plot_speed(ax, model: str, runtime: str, rows: list[dict], min_speedup: flo
         return
     color, x = STYLES[runtime], [r["tokens"] for r in timed]
     ax.plot(x, [r["speedup"] for r in timed], "o-", color=color, label=f"{runtime} full/POP TTFT")
-    ax.plot(x, [r["bound"] for r in timed], ":", color="gray", label="FLOP bound" if runtime == "onnxruntime" else None)
+    ax.plot(x, [r["bound"] for r in timed], ":", color="gray",
+            label="FLOP bound" if runtime == "onnxruntime" else None)
     ax.axhline(min_speedup, color="red", lw=0.8, ls="--")
     chosen = threshold(rows, min_speedup)
     if chosen:
@@ -388,7 +403,8 @@ def _plot_quality(ax, model: str, runtime: str, rows: list[dict], options: dict)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=[*PARTS, "all", "report"])
     parser.add_argument("--out", type=Path, required=True, help="folder of the result JSON files")
     parser.add_argument("--runtime", choices=RUNTIMES, help="quality/speed: the runtime to measure")
@@ -397,16 +413,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), help="all/report: runtimes")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), help="all: parts, in this order")
     parser.add_argument("--engines", help="folder holding an engine folder per model name (onnxruntime)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="prompt lengths (ascending)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                        help="prompt lengths (ascending)")
     parser.add_argument("--docs", type=int, default=4, help="stdlib sources per length (quality)")
     parser.add_argument("--cont", type=int, default=32, help="teacher-forced continuation tokens (quality)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy new tokens (quality)")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per length (speed; x3 up to 256)")
+    parser.add_argument("--reps", type=int, default=5,
+                        help="interleaved repetitions per length (speed; x3 up to 256)")
     parser.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
-                        help="torch-compile speed: full's backend and pop's inner backend (eager: no inductor "
-                             "compile, the same graphs run op by op)")
+                        help="torch-compile speed: full's backend and pop's inner backend "
+                             "(eager: no inductor compile, the same graphs run op by op)")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: one per core)")
-    parser.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP, help="report: the threshold rule's bar")
+    parser.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
+                        help="report: the threshold rule's bar")
     parser.add_argument("--figure", help="report/all: write the figure here")
     parser.add_argument("--force", action="store_true", help="all: measure parts whose result file exists")
     args = parser.parse_args()

@@ -14,10 +14,10 @@ reps/2 (at least 2) interleaved runs each; "dec ratio" is the median paired POP/
 graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to show where POP's time goes.
 
     python benchmarks/ttft.py --models smollm2-135m gemma3-270m --tokens 512 1024 2048 --reps 5
-    python benchmarks/ttft.py --models smollm2-135m --tokens 1024 --no-io-binding     # plain run(), for comparison
-    python benchmarks/ttft.py --dtype float16 --provider cuda                          # float16 needs a GPU provider
-    python benchmarks/ttft.py --kv-calibration auto                                    # also POP+ beside POP
-    python benchmarks/ttft.py --compare-separate                                       # folded vs separate x_N
+    python benchmarks/ttft.py --models smollm2-135m --tokens 1024 --no-io-binding  # plain run(), to compare
+    python benchmarks/ttft.py --dtype float16 --provider cuda    # float16 needs a GPU provider
+    python benchmarks/ttft.py --kv-calibration auto              # also POP+ beside POP
+    python benchmarks/ttft.py --compare-separate                 # folded vs separate x_N
     python benchmarks/ttft.py --models smollm2-135m --step-cost 512 1024 2048 --reps 9 # docs/kv.md's table
 """
 from __future__ import annotations
@@ -36,15 +36,16 @@ import onnxruntime
 from popcompile.cost import speedup_bound
 from popcompile.driver import export
 from popcompile.engine.manifest import BOUNDARIES
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 
 CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
 MAX_SEQ = 4096
 
 
-def engine(model: str, dtype: str = "float32", kv_calibration: str = "none", boundary: str = "folded") -> Path:
+def engine(model: str, dtype: str = "float32", kv_calibration: str = "none",
+           boundary: str = "folded") -> Path:
     suffix = ("" if dtype == "float32" else f"-{dtype}") + ("" if kv_calibration == "none" else "-kvfit")
     folder = CACHE / f"{model}-maxseq{MAX_SEQ}-{boundary}{suffix}"
     if not folder.exists():
@@ -68,7 +69,8 @@ def time_mode(session: PopSession, ids: list[int], mode: str, new_tokens: int = 
     return result.ttft_s, result.decode_tokens_per_s
 
 
-def measure(session: PopSession, ids: list[int], reps: int, others: dict[str, PopSession] | None = None) -> dict:
+def measure(session: PopSession, ids: list[int], reps: int,
+            others: dict[str, PopSession] | None = None) -> dict:
     """Interleaved medians of TTFT (and decode tok/s) of full and POP, and of POP in each of ``others``
     (another engine of the same model: "popplus", refitted K/V weights; "separate", the boundary step
     as its own call), with the median of its paired TTFT ratio to POP's as ``{name}_over_pop``."""
@@ -88,7 +90,8 @@ def measure(session: PopSession, ids: list[int], reps: int, others: dict[str, Po
             decode[mode].append(time_mode(session, ids, mode, 33)[1])
     pairs = [f / p for f, p in zip(ttft["full"], ttft["pop"])]
     row = {f"{name}_ttft_s": statistics.median(values) for name, values in ttft.items()}
-    row.update({"pair_ratio": statistics.median(pairs), "full_decode_tok_s": statistics.median(decode["full"]),
+    row.update({"pair_ratio": statistics.median(pairs),
+                "full_decode_tok_s": statistics.median(decode["full"]),
                 "pop_decode_tok_s": statistics.median(decode["pop"]),
                 "decode_pair_ratio": statistics.median(p / f for p, f in zip(decode["pop"], decode["full"]))})
     for name in others or {}:
@@ -105,7 +108,8 @@ def split(session: PopSession, ids: list[int], reps: int) -> dict:
 
     def run(graph: str, start: int, seq: slice, past: list | None = None) -> tuple[float, list]:
         chunk = tokens[:, seq]
-        past = past or [np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), dtype) for _ in layout.past_names]
+        past = past or [np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), dtype)
+                        for _ in layout.past_names]
         feeds = {"input_ids": chunk, "position_ids": np.arange(start, start + chunk.shape[1])[None],
                  "attention_mask": np.ones((1, start + chunk.shape[1]), np.int64),
                  **dict(zip(layout.past_names, past))}
@@ -136,16 +140,18 @@ def step_costs(session: PopSession, rows: int, reps: int) -> dict:
     (now), and the zero-copy alternative: the graph over the whole max_seq buffer, masked."""
     layout, decode = session.layout, session.sessions["decode"]
     buffer = KVBuffer(layout, 1)
-    buffer.data[:] = np.random.default_rng(0).standard_normal(buffer.data.shape).astype(buffer.data.dtype) * 0.1
+    buffer.data[:] = (np.random.default_rng(0).standard_normal(buffer.data.shape).astype(buffer.data.dtype)
+                      * 0.1)
     buffer.length, total = rows, layout.max_seq - 1
 
     def feeds(past: list, seen: int) -> dict:
         mask = np.zeros((1, seen + 1), np.int64)
         mask[:, :rows], mask[:, -1] = 1, 1  # rows rows..seen-1 of a whole buffer are unwritten
-        return {"input_ids": np.array([[42]], np.int64), "position_ids": np.array([[rows]], np.int64), "attention_mask": mask,
-                **dict(zip(layout.past_names, past))}
+        return {"input_ids": np.array([[42]], np.int64), "position_ids": np.array([[rows]], np.int64),
+                "attention_mask": mask, **dict(zip(layout.past_names, past))}
 
-    whole = [np.ascontiguousarray(buffer.data[i // 2, i % 2, :1, :, :total]) for i in range(len(layout.past_names))]
+    whole = [np.ascontiguousarray(buffer.data[i // 2, i % 2, :1, :, :total])
+             for i in range(len(layout.past_names))]
     runs = {"fresh copies": lambda: [np.ascontiguousarray(buffer.data[i // 2, i % 2, :1, :, :rows])
                                      for i in range(len(layout.past_names))],
             "staging": lambda: (buffer.reset(), setattr(buffer, "length", rows), buffer.past(1)),
@@ -161,15 +167,19 @@ def step_costs(session: PopSession, rows: int, reps: int) -> dict:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"], help="shipped model names")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"],
+                        help="shipped model names")
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048], help="prompt lengths")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per mode (after a warm-up)")
+    parser.add_argument("--reps", type=int, default=5,
+                        help="interleaved repetitions per mode (after a warm-up)")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="engine precision (float16 needs --provider cuda or tensorrt)")
     parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
                         help="onnxruntime execution provider")
-    parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: onnxruntime's, one per core)")
+    parser.add_argument("--threads", type=int,
+                        help="onnxruntime intra-op threads (default: onnxruntime's, one per core)")
     parser.add_argument("--io-binding", action=argparse.BooleanOptionalAction, default=True,
                         help="run with IO binding (default) or plain InferenceSession.run")
     parser.add_argument("--split", action="store_true",
@@ -178,11 +188,14 @@ def parse_args() -> argparse.Namespace:
                         help="instead: per decode step after ROWS cached rows, the cost of the past's copies "
                              "against the step (docs/kv.md)")
     parser.add_argument("--boundary", choices=BOUNDARIES, default="folded",
-                        help="engine layout: x_N folded into the prefill graph (default) or a separate decode call")
+                        help="engine layout: x_N folded into the prefill graph (default) "
+                             "or a separate decode call")
     parser.add_argument("--kv-calibration", choices=["none", "auto"], default="none",
-                        help="auto: also time POP+ (a second engine with refitted K/V weights), interleaved with POP")
+                        help="auto: also time POP+ (a second engine with refitted K/V weights), "
+                             "interleaved with POP")
     parser.add_argument("--compare-separate", action="store_true",
-                        help="also time POP on a separate-boundary engine, interleaved (what folding x_N saves)")
+                        help="also time POP on a separate-boundary engine, interleaved "
+                             "(what folding x_N saves)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser.parse_args()
 
@@ -193,14 +206,15 @@ def main() -> None:
         print_step_costs(args)
         return
     rows = []
-    print(f"onnxruntime {onnxruntime.__version__} {args.provider}, {platform.processor() or platform.machine()}, "
+    print(f"onnxruntime {onnxruntime.__version__} {args.provider}, "
+          f"{platform.processor() or platform.machine()}, "
           f"{args.dtype}, io_binding={args.io_binding}, threads={args.threads or 'default'}")
-    print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'paired':>6} {'bound':>6} {'of bound':>8} "
-          f"{'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
+    print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'paired':>6} {'bound':>6} "
+          f"{'of bound':>8} {'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
     for model in args.models:
         folder = engine(model, args.dtype, boundary=args.boundary)
         session = PopSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
-        def other(kv_calibration: str, boundary: str) -> PopSession:
+        def other(kv_calibration: str, boundary: str, model: str = model) -> PopSession:
             return PopSession(engine(model, args.dtype, kv_calibration, boundary), provider=args.provider,
                               threads=args.threads, io_binding=args.io_binding)
 
@@ -218,10 +232,12 @@ def main() -> None:
             row["bound"] = speedup_bound(config, n, session.manifest.cut)
             rows.append(row)
             print(_row_line(row), flush=True)
-            for name, label in (("popplus", "POP+ (refitted K/V)"), ("separate", "POP, separate boundary step")):
+            for name, label in (("popplus", "POP+ (refitted K/V)"),
+                                ("separate", "POP, separate boundary step")):
                 if name in others:
                     print(f"{'':14} {label}: TTFT {row[f'{name}_ttft_s']:.3f} s, paired {name}/POP "
-                          f"{row[f'{name}_over_pop']:.3f}, full/{name} {row['full_ttft_s'] / row[f'{name}_ttft_s']:.3f}",
+                          f"{row[f'{name}_over_pop']:.3f}, "
+                          f"full/{name} {row['full_ttft_s'] / row[f'{name}_ttft_s']:.3f}",
                           flush=True)
             if args.split:
                 row.update(split(session, text_ids[:n], args.reps))
@@ -237,9 +253,12 @@ def print_step_costs(args) -> None:
         for rows in args.step_cost:
             cost = step_costs(session, rows, args.reps)
             step = cost["decode step"]
-            print(f"{model:14} past {rows:>5}: decode step {step:.1f} ms; fresh copies {cost['fresh copies']:.2f} ms "
+            print(f"{model:14} past {rows:>5}: decode step {step:.1f} ms; "
+                  f"fresh copies {cost['fresh copies']:.2f} ms "
                   f"({100 * cost['fresh copies'] / step:.0f}%); staging {cost['staging']:.2f} ms "
-                  f"({100 * cost['staging'] / step:.0f}%); whole buffer, masked: {cost['whole buffer']:.1f} ms", flush=True)
+                  f"({100 * cost['staging'] / step:.0f}%); "
+                  f"whole buffer, masked: {cost['whole buffer']:.1f} ms",
+                  flush=True)
 
 
 def _row_line(row: dict) -> str:
@@ -251,7 +270,8 @@ def _row_line(row: dict) -> str:
 
 def _split_line(row: dict) -> str:
     full, prefill, boundary = row["full_graph_s"], row["prefill_graph_s"], row["boundary_graph_s"]
-    return (f"{'':14} graphs alone: full {full:.3f} s, prefill {prefill:.3f} s, boundary {1000 * boundary:.1f} ms "
+    return (f"{'':14} graphs alone: full {full:.3f} s, prefill {prefill:.3f} s, "
+            f"boundary {1000 * boundary:.1f} ms "
             f"({100 * boundary / (prefill + boundary):.1f}% of POP); full/prefill {full / prefill:.3f}, "
             f"full/(prefill+boundary) {full / (prefill + boundary):.3f}")
 

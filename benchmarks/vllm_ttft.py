@@ -13,7 +13,7 @@ blocks alternate vanilla / pop / pop / vanilla ... over ``--rounds``, and the ta
 
     .venv-vllm/bin/python benchmarks/vllm_ttft.py --tokens 512 1024 2048 --reps 5 --rounds 2 --load 16
     .venv-vllm/bin/python benchmarks/vllm_ttft.py --in-process --load 0      # single requests, one process
-    .venv-vllm/bin/python benchmarks/vllm_ttft.py --eager                    # enforce_eager (default: torch.compile)
+    .venv-vllm/bin/python benchmarks/vllm_ttft.py --eager  # enforce_eager (default: torch.compile)
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def measure_single(folder: Path, lengths: list[int], reps: int) -> dict:
     first, decode = SamplingParams(temperature=0, max_tokens=1), SamplingParams(temperature=0, max_tokens=64,
                                                                                 ignore_eos=True)
     by_length = prompts(folder, lengths)
-    timed = lambda ids, params: _timed(lambda: llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False))
+    timed = lambda ids, params: _timed(
+        lambda: llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False))
     for n in lengths:
         timed(by_length[n][0], first)  # warm-up
     ttft = {n: [] for n in lengths}
@@ -125,9 +126,9 @@ async def _load(folder: Path, requests: int, tokens: int, rate: float) -> dict:
 
 def run_block(args, folder: Path, kind: str) -> dict:
     result = CACHE / f"block-{kind}.json"
-    command = [sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--result", str(result), "--tokens",
-               *map(str, args.tokens), "--reps", str(args.reps), "--load", str(args.load), "--load-tokens",
-               str(args.load_tokens), "--rate", str(args.rate)]
+    command = [sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--result", str(result),
+               "--tokens", *map(str, args.tokens), "--reps", str(args.reps), "--load", str(args.load),
+               "--load-tokens", str(args.load_tokens), "--rate", str(args.rate)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.in_process:  # engine core and worker in the measuring process: no polling processes beside it
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -143,7 +144,8 @@ def table(args, results: dict, cut: int, config) -> str:
     from popcompile.cost import speedup_bound
 
     median = statistics.median
-    rows = ["| prompt tokens | vanilla TTFT ms | POP TTFT ms | speedup | FLOP bound | % of bound |", "|---|---|---|---|---|---|"]
+    rows = ["| prompt tokens | vanilla TTFT ms | POP TTFT ms | speedup | FLOP bound | % of bound |",
+            "|---|---|---|---|---|---|"]
     for n in args.tokens:
         full = median(t for r in results["vanilla"] for t in r["ttft"][str(n)])
         pop = median(t for r in results["pop"] for t in r["ttft"][str(n)])
@@ -162,7 +164,8 @@ def load_table(args, results: dict) -> str:
     for kind in ("vanilla", "pop"):
         ttft = sorted(t for r in results[kind] for t in r["load"]["ttft"])
         speed = statistics.median(r["load"]["output_tokens_per_s"] for r in results[kind])
-        rows.append(f"| {kind} | {statistics.mean(ttft):.2f} | {ttft[int(0.9 * (len(ttft) - 1))]:.2f} | {speed:.1f} |")
+        rows.append(f"| {kind} | {statistics.mean(ttft):.2f} | {ttft[int(0.9 * (len(ttft) - 1))]:.2f} | "
+                    f"{speed:.1f} |")
     return "\n".join(rows)
 
 
@@ -177,10 +180,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.5, help="load test arrivals per second")
     parser.add_argument("--json", type=Path, help="also write the raw measurements here")
     parser.add_argument("--in-process", action="store_true",
-                        help="VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine in the measuring process (on 2 cores "
-                             "its default front-end/engine/worker processes take CPU from the model)")
+                        help="VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine in the measuring process "
+                             "(on 2 cores its default front-end/engine/worker processes take CPU "
+                             "from the model)")
     parser.add_argument("--eager", action="store_true",
-                        help="enforce_eager=True (`vllm serve --enforce-eager`) instead of vLLM's default torch.compile")
+                        help="enforce_eager=True (`vllm serve --enforce-eager`) "
+                             "instead of vLLM's default torch.compile")
     parser.add_argument("--worker", choices=["vanilla", "pop"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -201,8 +206,10 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: {kind} done", file=sys.stderr)
     config = transformers.AutoConfig.from_pretrained(paths["vanilla"])
     cut = json.loads((paths["pop"] / "config.json").read_text())["popcompile"]["cut"]
-    where = (", in-process engine" if args.in_process else "") + (", enforce_eager" if args.eager else ", torch.compile")
-    print(f"vLLM {__import__('vllm').__version__} CPU, {args.model}, cut {cut} of {config.num_hidden_layers}, "
+    where = ((", in-process engine" if args.in_process else "")
+             + (", enforce_eager" if args.eager else ", torch.compile"))
+    print(f"vLLM {__import__('vllm').__version__} CPU, {args.model}, "
+          f"cut {cut} of {config.num_hidden_layers}, "
           f"{os.cpu_count()} cores{where}\n" + table(args, results, cut, config)
           + (load_table(args, results) if args.load else ""))
     if args.json:

@@ -20,7 +20,8 @@ from popcompile.reference import Variant
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--cut", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")

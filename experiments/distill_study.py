@@ -27,7 +27,8 @@ from popcompile.reference import Variant
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--cut", type=int, default=20)
     parser.add_argument("--windows", type=int, default=116, help="560-token windows (116: the whole corpus)")
@@ -39,13 +40,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
-    windows = torch.cat(default_batches(tokenizer, seq_len=DEFAULT_SEQ_LEN, max_tokens=DEFAULT_SEQ_LEN * args.windows))
+    windows = torch.cat(default_batches(tokenizer, seq_len=DEFAULT_SEQ_LEN,
+                                        max_tokens=DEFAULT_SEQ_LEN * args.windows))
     first = {}  # phase -> when its first report came: "train" ends the full-model pass
 
     def report(event) -> None:
         first.setdefault(event.phase, time.perf_counter())
     start = time.perf_counter()
-    result = ridge_then_distill(model, windows, args.cut, DistillConfig(steps=args.steps, lr=args.lr), progress=report)
+    result = ridge_then_distill(model, windows, args.cut, DistillConfig(steps=args.steps, lr=args.lr),
+                                progress=report)
     total_s, pass_s = time.perf_counter() - start, first["train"] - start
     docs, _ = eval_data.continuation_documents(tokenizer, 512, 48, args.limit)
     layers = model.config.num_hidden_layers
@@ -56,7 +59,8 @@ def main() -> None:
     print(json.dumps({"documents": len(docs), "one_pass_s": round(pass_s), "total_s": round(total_s),
                       "held_out_kl": [result.initial_kl, result.best_kl], "best_step": result.best_step,
                       "steps_run": result.steps_run,
-                      **{name: {k: s[k] for k in ("agreement", "kl_to_full", "nll")} for name, s in scores.items()}},
+                      **{name: {k: s[k] for k in ("agreement", "kl_to_full", "nll")}
+                         for name, s in scores.items()}},
                      indent=1))
 
 

@@ -75,7 +75,8 @@ FEATURE_SETS = (
 
 # --- features ------------------------------------------------------------------------------------
 
-def unit_blocks(hidden: dict[str, torch.Tensor], eps: float, projection: torch.Tensor) -> dict[str, torch.Tensor]:
+def unit_blocks(hidden: dict[str, torch.Tensor], eps: float,
+                projection: torch.Tensor) -> dict[str, torch.Tensor]:
     """Unscaled blocks [B, T, w] (float64) from the hidden states ``cut``, ``two``, ``early`` [B, T, d]."""
     n = rms_unit(hidden["cut"], eps)
     prev = torch.cat([torch.zeros_like(n[:, :1]), n[:, :-1]], dim=1)
@@ -149,7 +150,8 @@ class Fit:
 def prepare(m: Moments, slices: dict[str, slice], fs: FeatureSet) -> Fit:
     if fs.pca_rank is None:
         idx = _indices(slices, (*fs.blocks, "one"))
-        scaled = torch.cat([torch.full((slices[n].stop - slices[n].start,), n in LINEAR_BLOCKS) for n in fs.blocks]
+        scaled = torch.cat([torch.full((slices[n].stop - slices[n].start,), n in LINEAR_BLOCKS)
+                            for n in fs.blocks]
                            + [torch.tensor([False])])
         return Fit(m.g[idx][:, idx], {l: y[idx] for l, y in m.fy.items()}, scaled, None)
     v = compression(m, slices, fs)
@@ -162,7 +164,8 @@ def prepare(m: Moments, slices: dict[str, slice], fs: FeatureSet) -> Fit:
 
 
 def solve(fit: Fit, layer: int, scale: torch.Tensor) -> torch.Tensor:
-    """Ridge weights [w + 1, out] (last row: bias, unregularised), lam = RIDGE * mean diag (as calibrate.py)."""
+    """Ridge weights [w + 1, out] (last row: bias, unregularised), lam = RIDGE * mean diag
+    (as calibrate.py)."""
     c = torch.ones(fit.c.shape[0], dtype=torch.float64)
     width = int(fit.scaled.sum())
     c[fit.scaled] = scale.repeat(width // scale.shape[0])
@@ -260,7 +263,8 @@ def feature_hooks(model, setup: Setup, fs: FeatureSet, weights: dict, v):
     for l in setup.deep:
         for part, cols in (("k_proj", slice(0, setup.split)), ("v_proj", slice(setup.split, None))):
             def replace(module, args, output, l=l, cols=cols):
-                return (features_for(captured["blocks"], setup, fs, l, v) @ weights[l][:, cols]).to(output.dtype)
+                return (features_for(captured["blocks"], setup, fs, l, v)
+                        @ weights[l][:, cols]).to(output.dtype)
             handles.append(getattr(layers[l].self_attn, part).register_forward_hook(replace))
     stack = contextlib.ExitStack()
     stack.callback(lambda: [h.remove() for h in handles])
@@ -292,7 +296,8 @@ def score(model, docs, full: list[torch.Tensor], make_run) -> dict:
         nll.append(-logp.gather(-1, target[..., None])[..., 0])
         agree.append(logits.argmax(-1) == full_top)
     mean_nll = float(torch.cat(nll).mean())
-    return {"nll": mean_nll, "perplexity": math.exp(mean_nll), "agreement": float(torch.cat(agree).float().mean())}
+    return {"nll": mean_nll, "perplexity": math.exp(mean_nll),
+            "agreement": float(torch.cat(agree).float().mean())}
 
 
 # --- cost -------------------------------------------------------------------------------------------
@@ -312,7 +317,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="shipped model name (default smollm2-135m)")
     parser.add_argument("--cut", type=int, help="first pruned layer (default: 1/3 pruned)")
     parser.add_argument("--limit", type=int, default=12, help="evaluation documents (default 12)")
-    parser.add_argument("--rank", type=int, default=256, help="width r of the random-feature block (default 256)")
+    parser.add_argument("--rank", type=int, default=256,
+                        help="width r of the random-feature block (default 256)")
     parser.add_argument("--calib-tokens", type=int, default=65536,
                         help="calibration tokens (default 65536, the built-in corpus's default budget)")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
@@ -334,7 +340,8 @@ def main(argv=None) -> int:
     n = len(docs[0].prefix)
     base = prefill_flops(model.config, n, cut)
     full = full_argmax(model, docs)
-    rows = [{"name": "pop (no refit)", "extra_flops_per_token": 0, "speedup_bound": speedup_bound(model.config, n, cut),
+    rows = [{"name": "pop (no refit)", "extra_flops_per_token": 0,
+             "speedup_bound": speedup_bound(model.config, n, cut),
              **score(model, docs, full, lambda p: reference.PopRun(model, Variant(cut), p))}]
     print(json.dumps(rows[-1]), flush=True)
     for fs in FEATURE_SETS:
@@ -345,11 +352,13 @@ def main(argv=None) -> int:
         rows.append({"name": fs.name, "blocks": list(fs.blocks), "pca_rank": fs.pca_rank,
                      "extra_flops_per_token": extra,
                      "speedup_bound": prefill_flops(model.config, n) / (base + extra * (n - 1)),
-                     **score(model, docs, full, lambda p: FeatureRun(model, Variant(cut), p, setup, fs, weights, v))})
+                     **score(model, docs, full,
+                             lambda p, fs=fs, weights=weights, v=v:
+                                 FeatureRun(model, Variant(cut), p, setup, fs, weights, v))})
         print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"model": args.model, "cut": cut, "num_layers": num_layers, "documents": len(docs), "prefix_len": n,
-              "calibration_tokens": m.tokens, "rf_rank": args.rank, "ridge": RIDGE,
+    result = {"model": args.model, "cut": cut, "num_layers": num_layers, "documents": len(docs),
+              "prefix_len": n, "calibration_tokens": m.tokens, "rf_rank": args.rank, "ridge": RIDGE,
               "calibration_seconds": fit_seconds, "pop_prefill_flops_per_token": base / n, "rows": rows}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     return 0

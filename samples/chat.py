@@ -1,6 +1,7 @@
-"""A short multi-turn chat with an engine folder: the chat template, the cache kept between turns, text streamed.
+"""A short multi-turn chat with an engine folder: the chat template, the cache kept between turns,
+text streamed.
 
-    python samples/chat.py                                # engines/smol (export_and_run.py's), compiled first if absent
+    python samples/chat.py  # engines/smol (export_and_run.py's), compiled first if absent
     python samples/chat.py --out engines/gemma --model gemma3-270m --turn "Hi!" --turn "What did I just say?"
 
 An engine already in ``--out`` is used as it is; otherwise ``--model`` is compiled into it first (add
@@ -24,7 +25,8 @@ def chat(folder, turns, max_new_tokens=48):
     for text in turns:
         messages.append({"role": "user", "content": text})
         print(f"> {text}\n", end="", flush=True)
-        reply = session.chat(messages, {"max_new_tokens": max_new_tokens, "greedy": True},  # the engine's template
+        # the engine's template
+        reply = session.chat(messages, {"max_new_tokens": max_new_tokens, "greedy": True},
                              on_text=lambda piece: print(piece, end="", flush=True))  # streamed as it decodes
         new = len(reply.prompt_token_ids) - reply.cached_tokens  # earlier turns' rows stay in the cache
         print(f"\n[{new} new prompt tokens, {reply.cached_tokens} cached, {reply.prefill} prefill, "
@@ -35,19 +37,23 @@ def chat(folder, turns, max_new_tokens=48):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="engines/smol", help="engine folder (compiled from --model if it holds none)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="engines/smol",
+                        help="engine folder (compiled from --model if it holds none)")
     parser.add_argument("--model", default="smollm2-135m", help="shipped name, .gguf or HF folder")
-    parser.add_argument("--kv-calibration", default="auto", help="auto (POP+), none (the paper's POP) or a file")
+    parser.add_argument("--kv-calibration", default="auto",
+                        help="auto (POP+), none (the paper's POP) or a file")
     parser.add_argument("--min-prompt-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
-    parser.add_argument("--turn", action="append", help="a user message (repeat; default: two built-in turns)")
+    parser.add_argument("--turn", action="append",
+                        help="a user message (repeat; default: two built-in turns)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     turns = args.turn or ["Name one use of a compiler.", "Say it again in five words."]
     try:
         if not (Path(args.out) / "popcompile.json").is_file():
             print(f"compiling {args.model} into {args.out}", file=sys.stderr)
-            config = popcompile.PopConfig(kv_calibration=args.kv_calibration, min_prompt_tokens=args.min_prompt_tokens)
+            config = popcompile.PopConfig(kv_calibration=args.kv_calibration,
+                                          min_prompt_tokens=args.min_prompt_tokens)
             popcompile.compile(args.model, config, out=args.out)
         chat(args.out, turns, args.max_new_tokens)
     except popcompile.PopcompileError as err:

@@ -1,7 +1,8 @@
-"""POP inside PyTorch, no export: ``model.compile(backend="pop")`` prunes the prefill, the decode stays untouched.
+"""POP inside PyTorch, no export: ``model.compile(backend="pop")`` prunes the prefill, the decode stays
+untouched.
 
-    python samples/torch_compile.py                        # SmolLM2-135M, inductor (a few minutes to compile on CPU)
-    python samples/torch_compile.py --inner eager          # no kernel compilation: seconds
+    python samples/torch_compile.py                # SmolLM2-135M, inductor (a few minutes to compile on CPU)
+    python samples/torch_compile.py --inner eager  # no kernel compilation: seconds
     python samples/torch_compile.py --model path/to/hf-folder --min-prompt-tokens 0
 
 Prints the eager (full model) and POP greedy continuations of one prompt and how many leading tokens agree.
@@ -13,10 +14,10 @@ import sys
 
 import popcompile
 
-PROMPT = ("A compiler turns source code into a program. Its front end parses the text into a tree and checks the "
-          "types of every expression; its middle end rewrites that tree into a simpler form and removes the work "
-          "a program never needs; its back end chooses instructions for the target machine. Between the front end "
-          "and the")
+PROMPT = ("A compiler turns source code into a program. Its front end parses the text into a tree and "
+          "checks the types of every expression; its middle end rewrites that tree into a simpler form and "
+          "removes the work a program never needs; its back end chooses instructions for the target machine. "
+          "Between the front end and the")
 
 
 # [readme:torch_compile]
@@ -29,10 +30,11 @@ def generate_with_pop(model, input_ids, max_new_tokens=32, options=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="shipped name, .gguf or HF folder")
     parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--inner", default="inductor", help="the backend the rewritten graphs run on (eager: fast)")
+    parser.add_argument("--inner", default="inductor",
+                        help="the backend the rewritten graphs run on (eager: fast)")
     parser.add_argument("--min-prompt-tokens", type=int, default=64, help="shorter prompts prefill in full")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """POP in vLLM: export a folder for vLLM, then generate from it with ``vllm.LLM`` (docs/vllm.md).
 
-    .venv-vllm/bin/python samples/vllm_serve.py                           # SmolLM2-135M, POP+ (fits first: minutes)
+    .venv-vllm/bin/python samples/vllm_serve.py  # SmolLM2-135M, POP+ (fits first: minutes)
     .venv-vllm/bin/python samples/vllm_serve.py --kv-calibration none     # the paper's POP: seconds to export
     .venv-vllm/bin/python samples/vllm_serve.py --model path/to/hf-folder --out served/x --force
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import popcompile
 
-PROMPT = "A compiler turns source code into a program. Its front end parses the text into a tree, and its back end"
+PROMPT = ("A compiler turns source code into a program. Its front end parses the text into a tree, "
+          "and its back end")
 
 
 # [readme:vllm]
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("served/smollm2-135m"), help="the folder for vLLM")
     parser.add_argument("--force", action="store_true", help="replace --out if popcompile wrote it")
     parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--kv-calibration", default="auto", help="auto (POP+), none (POP) or a calibration file")
+    parser.add_argument("--kv-calibration", default="auto",
+                        help="auto (POP+), none (POP) or a calibration file")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     try:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""GPU check: POP vs full prefill on CUDA through PyTorch, bf16, on a Llama-3.1-8B-shaped model (gpu_check.sh runs it).
+"""GPU check: POP vs full prefill on CUDA through PyTorch, bf16, on a Llama-3.1-8B-shaped model
+(gpu_check.sh runs it).
 
 Needs only torch (CUDA), transformers and this source tree on PYTHONPATH: no download, no venv, no
 TensorRT. Phases, in order, each time-boxed against ``--budget`` (one that does not fit is skipped and
@@ -41,8 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this working tree's popcompile, installed or not
 
-LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "vocab_size": 128256, "num_hidden_layers": 32, "rope_theta": 500000.0}
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "num_hidden_layers": 32,
+            "rope_theta": 500000.0}
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "vocab_size": 97, "num_hidden_layers": 3, "rope_theta": 10000.0}
 
@@ -92,12 +94,14 @@ def markdown(data: dict) -> str:
              f"{meta.get('gpu', 'no GPU')}; {meta.get('plan')}. Speed ratios stand beside the FLOP bound of "
              "the same cut, achieved TFLOP/s beside the measured matmul peak.", ""]
     for name, phase in data["phases"].items():
-        lines.append(f"## {name}: {phase['status']}" + (f" ({phase['seconds']:.0f} s)" if "seconds" in phase else ""))
+        lines.append(f"## {name}: {phase['status']}"
+                     + (f" ({phase['seconds']:.0f} s)" if "seconds" in phase else ""))
         lines.append("")
         for key, value in phase.items():
             if key in ("status", "seconds", "rows", "traceback"):
                 continue
-            lines.append(f"- {key}: {json.dumps(value, default=str) if isinstance(value, (dict, list)) else value}")
+            lines.append(f"- {key}: "
+                         f"{json.dumps(value, default=str) if isinstance(value, (dict, list)) else value}")
         rows = phase.get("rows")
         if rows:
             header = list(rows[0])
@@ -122,7 +126,8 @@ class Budget:
 def run_phase(report: Report, budget: Budget, name: str, needs_s: float, fn, *args):
     """Run fn(*args) -> dict of fields when ``needs_s`` seconds are left; record ok/skipped/failed."""
     if budget.left() < needs_s:
-        report.record(name, "skipped", reason=f"{budget.left():.0f} s left, the phase needs about {needs_s:.0f} s")
+        report.record(name, "skipped",
+                      reason=f"{budget.left():.0f} s left, the phase needs about {needs_s:.0f} s")
         return None
     start = time.perf_counter()
     print(f"[gpu_check] {name} ...", flush=True)
@@ -132,8 +137,8 @@ def run_phase(report: Report, budget: Budget, name: str, needs_s: float, fn, *ar
         report.record(name, "skipped", reason=str(reason))
         return None
     except Exception as err:  # noqa: BLE001 - a failed phase is a result; the next phases still run
-        report.record(name, "failed", seconds=time.perf_counter() - start, error=f"{type(err).__name__}: {err}",
-                      traceback=traceback.format_exc()[-4000:])
+        report.record(name, "failed", seconds=time.perf_counter() - start,
+                      error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()[-4000:])
         return None
     report.record(name, "ok", seconds=time.perf_counter() - start, **fields)
     return fields
@@ -146,7 +151,8 @@ def environment() -> dict:
     smi = shutil.which("nvidia-smi")
     if smi:
         query = "name,driver_version,memory.total,compute_cap"
-        out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True)
         info["gpus"] = out.stdout.strip().splitlines() or out.stderr.strip()
     for module in ("torch", "triton", "transformers", "onnx", "onnxruntime", "tensorrt"):
         try:
@@ -155,7 +161,8 @@ def environment() -> dict:
             info[module] = f"absent ({type(err).__name__})"
     with contextlib.suppress(Exception):
         import torch
-        info["torch.cuda"] = torch.cuda.is_available() and f"{torch.version.cuda}, {torch.cuda.get_device_name(0)}"
+        info["torch.cuda"] = (torch.cuda.is_available()
+                              and f"{torch.version.cuda}, {torch.cuda.get_device_name(0)}")
     with contextlib.suppress(Exception):
         import onnxruntime
         info["onnxruntime providers"] = onnxruntime.get_available_providers()
@@ -196,8 +203,10 @@ def build_model(plan: Plan):
 
     geometry = dict(plan.geometry)
     theta = geometry.pop("rope_theta")
-    config = transformers.LlamaConfig(max_position_embeddings=max(plan.tokens) + 64, tie_word_embeddings=False,
-                                      rope_parameters={"rope_type": "default", "rope_theta": theta}, **geometry)
+    config = transformers.LlamaConfig(max_position_embeddings=max(plan.tokens) + 64,
+                                      tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                      **geometry)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(getattr(torch, plan.dtype))
@@ -256,7 +265,8 @@ def ttft_table(plan: Plan, budget: Budget, run_full, run_pop, after: float, deco
                 torch.cuda.empty_cache()
                 continue
             full, pop = statistics.median(times["full"]), statistics.median(times["pop"])
-            row = {"batch": batch, "tokens": n, "full ms": full * 1e3, "POP ms": pop * 1e3, "ratio": full / pop,
+            row = {"batch": batch, "tokens": n, "full ms": full * 1e3, "POP ms": pop * 1e3,
+                   "ratio": full / pop,
                    "FLOP bound": speedup_bound(plan.geometry, n, cut),
                    "full TFLOP/s": prefill_flops(plan, n, batch, None) / full / 1e12,
                    "POP TFLOP/s": prefill_flops(plan, n, batch, cut) / pop / 1e12}
@@ -276,11 +286,12 @@ def measure(plan: Plan, run_full, run_pop, decode, batch: int, n: int) -> tuple[
     times, steps = {"full": [], "pop": []}, {"full": [], "pop": []}
     fns = {"full": run_full, "pop": run_pop}
     for fn in fns.values():  # warm-up (and, under torch.compile, a new shape's first run)
-        timed(lambda: fn(ids), plan.device)
+        timed(lambda fn=fn: fn(ids), plan.device)
     for rep in range(plan.reps):
         for name in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
-            out = {}
-            times[name].append(timed(lambda: out.setdefault("o", fns[name](ids)), plan.device))
+            out = {}  # this call's outputs, kept for the decode step after it, then dropped
+            times[name].append(timed(lambda run=fns[name], out=out: out.setdefault("o", run(ids)),
+                                     plan.device))
             if decode is not None and rep == 0:
                 steps[name].append(decode(out["o"], ids))
             del out
@@ -303,7 +314,8 @@ def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
     for graph in (prefill, decode):
         randomise(graph, plan.device)
     dtype = getattr(torch, plan.dtype)
-    kv_heads, head_dim, layers = (plan.geometry[k] for k in ("num_key_value_heads", "head_dim", "num_hidden_layers"))
+    kv_heads, head_dim, layers = (plan.geometry[k]
+                                  for k in ("num_key_value_heads", "head_dim", "num_hidden_layers"))
 
     def call(graph, ids, start_pos, past):
         batch, n = ids.shape
@@ -312,7 +324,8 @@ def graphs_phase(plan: Plan, budget: Budget, model) -> dict:
         return graph(ids, pos, mask, *past)
 
     def empty(batch):
-        return [torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype, device=plan.device) for _ in range(2 * layers)]
+        return [torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype, device=plan.device)
+                for _ in range(2 * layers)]
 
     def step(outputs, ids):  # one decode step on the cache the prefill made
         logits, *present = outputs
@@ -340,11 +353,12 @@ def compile_phase(plan: Plan, budget: Budget, model) -> dict:
     backend = PopBackend(PopOptions(cut=cut_of(plan), inner=plan.inner, min_prompt_tokens=0))
     fns = {name: torch.compile(model.forward, backend=b, dynamic=True)
            for name, b in (("full", plan.inner), ("pop", backend))}
-    first = torch.randint(0, plan.geometry["vocab_size"], (plan.batches[0], plan.tokens[0]), device=plan.device)
+    first = torch.randint(0, plan.geometry["vocab_size"], (plan.batches[0], plan.tokens[0]),
+                          device=plan.device)
     compile_s = {}
     with torch.inference_mode():
         for name, fn in fns.items():
-            compile_s[name] = timed(lambda: fn(input_ids=first, logits_to_keep=1), plan.device)
+            compile_s[name] = timed(lambda fn=fn: fn(input_ids=first, logits_to_keep=1), plan.device)
         rows, skipped = ttft_table(plan, budget, lambda ids: fns["full"](input_ids=ids, logits_to_keep=1),
                                    lambda ids: fns["pop"](input_ids=ids, logits_to_keep=1), 30,
                                    batch_cost=2 * sum(compile_s.values()))  # both backends recompile
@@ -368,15 +382,18 @@ def engine_phase(kind: str, args) -> dict:
         except ImportError:
             raise Skip("onnxruntime does not import on this machine") from None
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            raise Skip(f"onnxruntime {onnxruntime.__version__} has no CUDAExecutionProvider here (a CPU build)")
+            raise Skip(f"onnxruntime {onnxruntime.__version__} has no CUDAExecutionProvider here "
+                       f"(a CPU build)")
     if args.engine is None:
         raise Skip(f"{kind} imports, but no engine folder was given (--engine DIR, from `popcompile export`)")
     import gpu_check_trt as trt
 
-    engine_args = argparse.Namespace(precision="bf16", opt_level=2, tokens=(512, 1024, 2048), reps=3, device="cuda")
+    engine_args = argparse.Namespace(precision="bf16", opt_level=2, tokens=(512, 1024, 2048), reps=3,
+                                     device="cuda")
     try:
         if kind == "tensorrt":
-            return {"build": trt.trt_build(engine_args, args.engine), **trt.trt_ttft(engine_args, args.engine)}
+            return {"build": trt.trt_build(engine_args, args.engine),
+                    **trt.trt_ttft(engine_args, args.engine)}
         return trt.ort_cuda(engine_args, args.engine)
     except trt.Skip as err:
         raise Skip(str(err)) from None
@@ -410,16 +427,18 @@ def main(argv=None) -> int:
                                "budget_s": args.budget})
     report.record("environment", "ok", **env)
     if plan.device == "cuda" and not env.get("torch.cuda"):
-        report.record("matmul-peak", "skipped", reason="torch sees no CUDA device: run with --dry-run on a CPU")
+        report.record("matmul-peak", "skipped",
+                      reason="torch sees no CUDA device: run with --dry-run on a CPU")
     else:
         if "matmul-peak" in args.phases:
             run_phase(report, budget, "matmul-peak", 10, matmul_peak, plan)
         model = build_model(plan) if {"graphs", "compile"} & set(args.phases) else None
         if "graphs" in args.phases:
-            run_phase(report, budget, "graphs", 120 if plan.device == "cuda" else 5, graphs_phase, plan, budget, model)
+            run_phase(report, budget, "graphs", 120 if plan.device == "cuda" else 5, graphs_phase, plan,
+                      budget, model)
         if "compile" in args.phases:
-            run_phase(report, budget, "compile", 150 if plan.device == "cuda" else 5, compile_phase, plan, budget,
-                      model)
+            run_phase(report, budget, "compile", 150 if plan.device == "cuda" else 5, compile_phase, plan,
+                      budget, model)
     for kind in ("tensorrt", "ort-cuda"):
         if kind in args.phases:
             run_phase(report, budget, kind, 0, engine_phase, kind, args)

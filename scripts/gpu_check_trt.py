@@ -1,4 +1,5 @@
-"""The TensorRT and onnxruntime-CUDA parts of the GPU check (scripts/gpu_check.py), on an exported engine folder.
+"""The TensorRT and onnxruntime-CUDA parts of the GPU check (scripts/gpu_check.py), on an exported engine
+folder.
 
 They run only where their packages import (``tensorrt``; ``onnxruntime`` with ``CUDAExecutionProvider``)
 and an engine folder is given (``--engine DIR``: ``popcompile export`` output); elsewhere gpu_check.py
@@ -55,7 +56,7 @@ def compare(session, reference, folder: Path, tokens: int, new_tokens: int) -> l
     """Greedy generation from both sessions on the same prompt; rows per mode."""
     import numpy as np
 
-    from popcompile.runtime.generate import SamplingConfig
+    from popcompile.runtime.sampling import SamplingConfig
 
     ids = prompt_ids(folder, tokens)
     rows = []
@@ -77,7 +78,7 @@ def compare(session, reference, folder: Path, tokens: int, new_tokens: int) -> l
 def ttft_rows(session, folder: Path, tokens, reps: int, cut_info) -> list[dict]:
     """Interleaved TTFT medians of POP and full per prompt length, beside the FLOP bound."""
     from popcompile.cost import speedup_bound
-    from popcompile.runtime.generate import SamplingConfig
+    from popcompile.runtime.sampling import SamplingConfig
 
     config, cut = cut_info
     one = SamplingConfig(max_new_tokens=1)
@@ -126,7 +127,7 @@ def trt_numerics(args, folder: Path) -> dict:
 
 
 def trt_ttft(args, folder: Path) -> dict:
-    from popcompile.runtime.generate import SamplingConfig
+    from popcompile.runtime.sampling import SamplingConfig
     from popcompile.runtime.trt import TrtSession
 
     session = TrtSession(folder)
@@ -140,7 +141,8 @@ def trt_ttft(args, folder: Path) -> dict:
         s.generate([ids], SamplingConfig(max_new_tokens=8))
         result = s.generate([ids], SamplingConfig(max_new_tokens=65))[0]
         decode["CUDA graph" if graph else "no graph"] = round(result.decode_tokens_per_s, 1)
-    return {"rows": rows, "decode tokens/s (64 tokens after the prompt)": decode, "KV binding": session.binding}
+    return {"rows": rows, "decode tokens/s (64 tokens after the prompt)": decode,
+            "KV binding": session.binding}
 
 
 def ort_cuda(args, folder: Path) -> dict:

@@ -14,19 +14,22 @@ import os
 import sys
 
 
-def main(folder: str, prompts_file: str, out_file: str, engine_args: str = "{}", max_tokens: str = "16") -> None:
+def main(folder: str, prompts_file: str, out_file: str, engine_args: str = "{}",
+         max_tokens: str = "16") -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     args = json.loads(engine_args)
     sequential = args.pop("sequential", False)
-    llm = LLM(model=folder, **{"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "seed": 0, **args})
+    llm = LLM(model=folder,
+              **{"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "seed": 0, **args})
     params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": ids} for ids in json.load(open(prompts_file))]
     batches = [[p] for p in prompts] if sequential else [prompts]
     outputs = [out for batch in batches for out in llm.generate(batch, params, use_tqdm=False)]
     json.dump([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
-                "logprobs": [step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                "logprobs": [step[token].logprob
+                             for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
                for o in outputs], open(out_file, "w"))
 
 

@@ -31,7 +31,8 @@ from popcompile.vllm_plugin.settings import POP_ARCHITECTURES
 
 HERE = Path(__file__).resolve().parent
 CUT, LAYERS, NEW = 20, 30, 16
-THRESHOLD = 400  # the "threshold" folder's min_prompt_tokens: the 300-token prompt runs in full, in two chunks
+# the "threshold" folder's min_prompt_tokens: the 300-token prompt runs in full, in two chunks
+THRESHOLD = 400
 # every architecture the plugin serves -> the test that serves it
 COVERED = {"LlamaForCausalLM": "test_pop_equals_the_reference_batched_and_in_chunks_of_512 (SmolLM2)",
            "MistralForCausalLM": "test_tiny_architecture_equals_the_reference[mistral]",
@@ -47,7 +48,8 @@ def test_every_served_architecture_has_a_test():
 
 
 def popcompile(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "popcompile.cli", *args], check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, "-m", "popcompile.cli", *args], check=True, capture_output=True,
+                   text=True)
 
 
 def export(out: Path, *args: str) -> Path:
@@ -78,8 +80,8 @@ def prompts(folders) -> dict[str, list[int]]:
     tokenizer = Tokenizer.from_file(str(folders["pop"] / "tokenizer.json"))
     texts = [text for _, text in stdlib_texts()]
     ids = [tokenizer.encode(text).ids for text in texts]
-    return {"short": tokenizer.encode("The capital of France is").ids, "300": ids[0][:300], "700": ids[1][:700],
-            "2000": (ids[2] + ids[3])[:2000]}
+    return {"short": tokenizer.encode("The capital of France is").ids, "300": ids[0][:300],
+            "700": ids[1][:700], "2000": (ids[2] + ids[3])[:2000]}
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +131,10 @@ def test_compiled_pop_equals_the_reference(folders, prompts, pop_in_chunks, hf_m
     fused kernels round differently; measured ~1.5e-5)."""
     compiled = greedy(tmp_path, folders["pop"], list(prompts.values()), max_num_batched_tokens=512,
                       max_num_seqs=8, enforce_eager=False)
-    assert [r["tokens"] for r in compiled] == [reference(hf_model, ids, Variant(cut=CUT)) for ids in prompts.values()]
-    drift = max(abs(a - b) for x, y in zip(compiled, pop_in_chunks) for a, b in zip(x["logprobs"], y["logprobs"]))
+    assert [r["tokens"] for r in compiled] == [reference(hf_model, ids, Variant(cut=CUT))
+                                               for ids in prompts.values()]
+    drift = max(abs(a - b) for x, y in zip(compiled, pop_in_chunks)
+                for a, b in zip(x["logprobs"], y["logprobs"]))
     assert drift < 1e-4, drift
 
 
@@ -139,19 +143,22 @@ def test_chunking_does_not_change_the_output(folders, prompts, pop_in_chunks, tm
     2000-token prompt's logprobs move by ~1e-4 between chunkings (measured); with it, by ~3e-6."""
     whole = greedy(tmp_path, folders["pop"], list(prompts.values()), max_num_batched_tokens=4096)
     assert [r["tokens"] for r in whole] == [r["tokens"] for r in pop_in_chunks]
-    drift = max(abs(a - b) for w, c in zip(whole, pop_in_chunks) for a, b in zip(w["logprobs"], c["logprobs"]))
+    drift = max(abs(a - b) for w, c in zip(whole, pop_in_chunks)
+                for a, b in zip(w["logprobs"], c["logprobs"]))
     assert drift < 2e-5, drift
 
 
 def test_prompts_under_min_prompt_tokens_run_the_full_model(folders, prompts, hf_model, tmp_path):
-    """A prompt shorter than the folder's min_prompt_tokens runs every token through the deep layers (runner.py),
-    also when the scheduler splits it into chunks (300 tokens, 256 a step) and batches it with a POP prompt."""
+    """A prompt shorter than the folder's min_prompt_tokens runs every token through the deep layers
+    (runner.py), also when the scheduler splits it into chunks (300 tokens, 256 a step) and batches it with a
+    POP prompt."""
     batch = [prompts["short"], prompts["300"], prompts["700"]]
     served = greedy(tmp_path, folders["threshold"], batch, max_num_batched_tokens=256, max_num_seqs=8)
     full = [reference(hf_model, ids, Variant(cut=LAYERS)) for ids in batch[:2]]
     pop = reference(hf_model, batch[2], Variant(cut=CUT))
     assert [r["tokens"] for r in served] == [*full, pop]
-    assert full != [reference(hf_model, ids, Variant(cut=CUT)) for ids in batch[:2]]  # POP would have differed
+    # POP would have differed
+    assert full != [reference(hf_model, ids, Variant(cut=CUT)) for ids in batch[:2]]
     assert pop != reference(hf_model, batch[2], Variant(cut=LAYERS))
 
 
@@ -164,7 +171,8 @@ def test_pop_plus_folder_uses_the_fitted_kv_weights(folders, prompts, hf_model, 
 
 
 def test_prefix_cache_reuses_the_pop_kv_of_a_shared_prefix(folders, prompts, hf_model, tmp_path):
-    """The cached blocks of a prompt's prefix hold POP's deep K/V, exactly what a fresh prefill would write."""
+    """The cached blocks of a prompt's prefix hold POP's deep K/V, exactly what a fresh prefill would
+    write."""
     shared = prompts["700"][:512]
     first, second = shared + prompts["300"][:40], shared + prompts["300"][100:140]
     served = greedy(tmp_path, folders["pop"], [first, second], sequential=True)
@@ -179,11 +187,13 @@ from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], enforce_eager=True, dtype="float32", max_model_len=1024)
     try:
-        llm.generate("The capital of France is", SamplingParams(max_tokens=4, prompt_logprobs=1), use_tqdm=False)
+        llm.generate("The capital of France is", SamplingParams(max_tokens=4, prompt_logprobs=1),
+                     use_tqdm=False)
         print("ACCEPTED")
     except Exception as err:  # vllm.exceptions.VLLMValidationError, as for vLLM's own parameter checks
         print("REFUSED", type(err).__name__, err)
-    again = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    again = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0),
+                         use_tqdm=False)
     print("AFTER", len(again[0].outputs[0].token_ids))
 """
 
@@ -194,8 +204,8 @@ def test_offline_prompt_logprobs_are_refused_and_the_engine_lives_on(folders, tm
     done = subprocess.run([sys.executable, str(script), str(folders["pop"])], capture_output=True, text=True,
                           timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     lines = [line for line in done.stdout.splitlines() if line.startswith(("ACCEPTED", "REFUSED", "AFTER"))]
-    assert len(lines) == 2 and lines[0].startswith("REFUSED VLLMValidationError prompt_logprobs: this model is served with POP"), \
-        done.stdout[-2000:] + done.stderr[-2000:]
+    refused = "REFUSED VLLMValidationError prompt_logprobs: this model is served with POP"
+    assert len(lines) == 2 and lines[0].startswith(refused), done.stdout[-2000:] + done.stderr[-2000:]
     assert lines[1] == "AFTER 4"
 
 
@@ -208,9 +218,11 @@ def server(folders, tmp_path_factory):
         port = probe.getsockname()[1]
     log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             str(folders["pop"]), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-                             "--dtype", "float32", "--max-model-len", "4096", "--max-num-batched-tokens", "1024"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                             str(folders["pop"]), "--host", "127.0.0.1", "--port", str(port),
+                             "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
+                             "--max-num-batched-tokens", "1024"],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -233,8 +245,8 @@ def _healthy(url: str) -> bool:
 
 
 def _complete(url: str, model: str, prompt: list[int], **extra) -> tuple[int, dict]:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-                       "return_token_ids": True, **extra}).encode()
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True, **extra}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
@@ -311,17 +323,21 @@ def test_vllm_sample_exports_and_generates_the_reference_text(tmp_path):
     sys.path.insert(0, str(HERE.parent / "tests"))
     from tiny_engine import tiny_hf_folder
 
-    hf = tiny_hf_folder(tmp_path / "hf", layers=6, head_dim=32, initializer_range=0.1, max_position_embeddings=512,
-                        eos=False)
-    prompt = " ".join(f"t{i}" for i in range(1, 80))  # 79 tokens: over the default min_prompt_tokens, so POP runs
-    done = run_sample("vllm_serve.py", "--model", hf, "--out", tmp_path / "served", "--kv-calibration", "none",
-                      "--prompt", prompt, "--max-new-tokens", "6")
+    hf = tiny_hf_folder(tmp_path / "hf", layers=6, head_dim=32, initializer_range=0.1,
+                        max_position_embeddings=512, eos=False)
+    # 79 tokens: over the default min_prompt_tokens, so POP runs
+    prompt = " ".join(f"t{i}" for i in range(1, 80))
+    done = run_sample("vllm_serve.py", "--model", hf, "--out", tmp_path / "served", "--kv-calibration",
+                      "none", "--prompt", prompt, "--max-new-tokens", "6")
     assert done.returncode == 0, done.stderr[-3000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     assert ids.shape[1] >= FIXED_MIN_PROMPT_TOKENS
-    expected = tokenizer.decode(generate(model, ids, 6, Variant(cut=4)), skip_special_tokens=True)  # as vLLM does
-    squeeze = lambda text: "".join(text.split())  # vLLM's incremental detokenizer may space words differently
-    printed = [line for line in done.stdout.splitlines() if line.startswith(prompt)]  # vLLM logs to stdout too
+    # as vLLM does
+    expected = tokenizer.decode(generate(model, ids, 6, Variant(cut=4)), skip_special_tokens=True)
+    # vLLM's incremental detokenizer may space words differently
+    squeeze = lambda text: "".join(text.split())
+    # vLLM logs to stdout too
+    printed = [line for line in done.stdout.splitlines() if line.startswith(prompt)]
     assert [squeeze(line) for line in printed] == [squeeze(prompt + expected)], done.stdout[-2000:]

@@ -45,7 +45,8 @@ class KVLayout:
                 raise ConfigError(f"KVLayout.{name} must be an integer in 1..{limit}, got {_short(value)}")
             object.__setattr__(self, name, int(value))
         if not isinstance(self.dtype, str) or self.dtype not in KV_DTYPES:
-            raise ConfigError(f"KVLayout.dtype must be one of {', '.join(KV_DTYPES)}, got {_short(self.dtype)}")
+            raise ConfigError(f"KVLayout.dtype must be one of {', '.join(KV_DTYPES)}, "
+                              f"got {_short(self.dtype)}")
 
     # Names are part of the contract: both graphs declare exactly these inputs and outputs.
     @staticmethod
@@ -86,11 +87,13 @@ class KVLayout:
     @classmethod
     def from_dict(cls, data: dict) -> "KVLayout":
         if not isinstance(data, dict):
-            raise ConfigError(f"a KVLayout is an object of {', '.join(cls.__dataclass_fields__)}, got {_short(data)}")
+            raise ConfigError(f"a KVLayout is an object of {', '.join(cls.__dataclass_fields__)}, "
+                              f"got {_short(data)}")
         fields = set(cls.__dataclass_fields__)
         unknown, missing = set(data) - fields, fields - set(data) - {"dtype"}
         if unknown or missing:
-            raise ConfigError(f"KVLayout fields unknown {sorted(map(str, unknown))}, missing {sorted(missing)}: "
+            raise ConfigError(f"KVLayout fields unknown {sorted(map(str, unknown))}, "
+                              f"missing {sorted(missing)}: "
                               "the engine was made by another version")
         return cls(**data)
 

@@ -19,8 +19,9 @@ from .vllm_folder import is_vllm_folder
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"
 FORMAT_VERSION = 3
-#: versions this popcompile reads: 1 (before ``boundary``: always "separate"), 2, and 3 (``attention.shared_kv``:
-#: a graph may read and write the KV buffer in place; a version-2 runtime would bind it wrongly, so it refuses 3)
+#: versions this popcompile reads: 1 (before ``boundary``: always "separate"), 2, and 3
+#: (``attention.shared_kv``: a graph may read and write the KV buffer in place; a version-2 runtime would bind
+#: it wrongly, so it refuses 3)
 READABLE_VERSIONS = (1, 2, 3)
 #: how POP's boundary token x_N reaches the full model (docs/kv.md):
 #:   folded    the prefill graph takes x_1..x_N, runs x_N alone through the deep layers and returns its logits
@@ -117,7 +118,8 @@ _MANIFEST_FIELDS = {
     "cut": (_is_int, "an integer"),
     "kv_layout": (lambda v: isinstance(v, KVLayout), "a KV layout"),
     "graphs": (lambda v: isinstance(v, dict) and sorted(v) == sorted(GRAPHS)
-               and all(isinstance(g, GraphEntry) for g in v.values()), "the prefill and decode graph entries"),
+               and all(isinstance(g, GraphEntry) for g in v.values()),
+               "the prefill and decode graph entries"),
     "weights": (lambda v: isinstance(v, dict), "an object of file, bytes and sha256"),
     "dtype": (lambda v: isinstance(v, str) and v in KV_DTYPES, f"one of {', '.join(KV_DTYPES)}"),
     "versions": (lambda v: isinstance(v, dict), "an object"),
@@ -130,9 +132,10 @@ _MANIFEST_FIELDS = {
     "boundary": (lambda v: isinstance(v, str) and v in BOUNDARIES, f"one of {', '.join(BOUNDARIES)}"),
     "quantization": (lambda v: isinstance(v, dict), "an object"),
     "attention": (lambda v: isinstance(v, dict) and v.get("lowering", "onnxruntime") == "onnxruntime"
-                  and isinstance(v.get("shared_kv", []), list) and set(v.get("shared_kv", [])) <= set(GRAPHS),
-                  "an object whose lowering is onnxruntime and whose shared_kv lists graphs (or empty: standard "
-                  "ONNX ops)"),
+                  and isinstance(v.get("shared_kv", []), list)
+                  and set(v.get("shared_kv", [])) <= set(GRAPHS),
+                  "an object whose lowering is onnxruntime and whose shared_kv lists graphs "
+                  "(or empty: standard ONNX ops)"),
 }
 
 
@@ -151,9 +154,9 @@ class EngineManifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
-    # Written by `popcompile build-trt` (exporters/tensorrt.py; its schema is engine/tensorrt.py's TrtSection):
-    # plans, TensorRT version, GPU compute capability and optimization profiles. Empty for a folder without
-    # TensorRT engines; older manifests have no such key and read as empty.
+    # Written by `popcompile build-trt` (exporters/tensorrt.py; its schema is engine/tensorrt.py's
+    # TrtSection): plans, TensorRT version, GPU compute capability and optimization profiles. Empty for a
+    # folder without TensorRT engines; older manifests have no such key and read as empty.
     tensorrt: dict = field(default_factory=dict)
     boundary: str = "separate"  # version 1 manifests have no key: their prefill graphs are "separate"
     # Prompts shorter than this prefill in full (POP gains ~nothing there and costs quality); 0: always POP.
@@ -162,22 +165,25 @@ class EngineManifest:
     # Weight-only quantisation (config.WeightQuantization.to_manifest: format, op, bits, block_size, ...);
     # empty for float weights and in manifests written before engines could be quantised.
     quantization: dict = field(default_factory=dict)
-    # Attention lowered to onnxruntime's contrib ops (exporters/ort_attention.py: lowering, ops, and per graph the
-    # layers in GroupQueryAttention / MultiHeadAttention / standard ops); empty: standard ONNX ops, which any
-    # runtime takes (the tensorrt target's, and manifests written before attention was fused). ``shared_kv``: the
-    # graphs whose present outputs are the whole buffer, written in place (exporters/ort_shared_kv.py, docs/kv.md).
+    # Attention lowered to onnxruntime's contrib ops (exporters/ort_attention.py: lowering, ops, and per graph
+    # the layers in GroupQueryAttention / MultiHeadAttention / standard ops); empty: standard ONNX ops, which
+    # any runtime takes (the tensorrt target's, and manifests written before attention was fused).
+    # ``shared_kv``: the graphs whose present outputs are the whole buffer, written in place
+    # (exporters/ort_shared_kv.py, docs/kv.md).
     attention: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \
                 or self.min_prompt_tokens < 0:
-            raise EngineError(f"manifest min_prompt_tokens={_short(self.min_prompt_tokens)} must be an integer >= 0")
+            raise EngineError(f"manifest min_prompt_tokens={_short(self.min_prompt_tokens)} "
+                              f"must be an integer >= 0")
         _check_fields(self, _MANIFEST_FIELDS)
         _check_weights(self.weights)
         if not 1 <= self.cut <= self.num_layers:
             raise EngineError(f"manifest cut={self.cut} is out of range 1..{self.num_layers}")
         if self.kv_layout.num_layers != self.num_layers or self.kv_layout.dtype != self.dtype:
-            raise EngineError(f"kv_layout (num_layers={self.kv_layout.num_layers}, dtype={self.kv_layout.dtype}) "
+            raise EngineError(f"kv_layout (num_layers={self.kv_layout.num_layers}, "
+                              f"dtype={self.kv_layout.dtype}) "
                               f"disagrees with num_layers={self.num_layers}, dtype={self.dtype}")
         for name, entry in self.graphs.items():
             if entry.inputs != self.expected_inputs() or entry.outputs != self.expected_outputs(name):
@@ -204,10 +210,12 @@ class EngineManifest:
         if not isinstance(folder, (str, os.PathLike)):
             raise ConfigError(f"an engine folder is a path, got {_short(folder)}")
         if not Path(folder).is_dir():
-            raise EngineError(f"engine folder {folder} does not exist: run `popcompile export MODEL --out {folder}`")
+            raise EngineError(f"engine folder {folder} does not exist: "
+                              f"run `popcompile export MODEL --out {folder}`")
         if not (Path(folder) / MANIFEST).is_file() and is_vllm_folder(folder):
-            raise EngineError(f"{folder} is a vLLM folder (export --target vllm), not an engine folder: serve it with "
-                              f"`vllm serve {folder}`, or export --target onnx for popcompile's runtimes")
+            raise EngineError(f"{folder} is a vLLM folder (export --target vllm), not an engine folder: "
+                              f"serve it with `vllm serve {folder}`, "
+                              f"or export --target onnx for popcompile's runtimes")
         if not (Path(folder) / MANIFEST).is_file():
             raise EngineError(f"{folder} is not a popcompile engine folder (no {MANIFEST}): re-export it")
         return cls.from_dict(_read_json(engine_file(folder, MANIFEST, "manifest")), folder)
@@ -305,24 +313,28 @@ def _read_json(path: Path) -> object:
     except UnicodeDecodeError:
         raise EngineError(f"{path} is corrupt (not UTF-8 text): {RE_EXPORT}") from None
     except json.JSONDecodeError as err:
-        raise EngineError(f"{path} is corrupt ({err.msg} at line {err.lineno}): re-export the engine") from None
+        raise EngineError(f"{path} is corrupt ({err.msg} at line {err.lineno}): "
+                          f"re-export the engine") from None
     except (ValueError, RecursionError) as err:  # integers of > 4300 digits, nesting deeper than the parser
         raise EngineError(f"{path} is corrupt ({_short(str(err))}): {RE_EXPORT}") from None
 
 
 def engine_file(folder: str | Path, name: object, key: str) -> Path:
     """``folder/name`` for the manifest entry ``key``, refused unless it resolves to a path inside ``folder``:
-    no absolute path, no ``..``, no symlink that leads out of the folder (a manifest may name only its own files)."""
+    no absolute path, no ``..``, no symlink that leads out of the folder (a manifest may name only its own
+    files)."""
     if not is_file_name(name):
-        raise EngineError(f"{folder}: {key}={_short(name)} is not a file name inside the engine folder: {RE_EXPORT}")
+        raise EngineError(f"{folder}: {key}={_short(name)} is not a file name inside the engine folder: "
+                          f"{RE_EXPORT}")
     try:
         root = Path(folder).resolve(strict=True)
         path = (root / name).resolve()
     except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop
         raise EngineError(f"{folder}: {name} ({key}) cannot be resolved ({err}): {RE_EXPORT}") from None
     if root not in path.parents:
-        raise EngineError(f"{folder}: {name} ({key}) leads to {path}, outside the engine folder; an engine folder "
-                          "may only use its own files: copy the file into the folder in its place")
+        raise EngineError(f"{folder}: {name} ({key}) leads to {path}, outside the engine folder; "
+                          "an engine folder may only use its own files: "
+                          "copy the file into the folder in its place")
     return path
 
 

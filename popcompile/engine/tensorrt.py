@@ -62,10 +62,12 @@ class ShapeRange:
         if not len(self.min) == len(self.opt) == len(self.max):
             raise ValueError(f"shape range of mixed ranks: {self.min}, {self.opt}, {self.max}")
         if not all(1 <= lo <= mid <= hi for lo, mid, hi in zip(self.min, self.opt, self.max)):
-            raise ValueError(f"shape range needs 1 <= min <= opt <= max per dim: {self.min}, {self.opt}, {self.max}")
+            raise ValueError(f"shape range needs 1 <= min <= opt <= max per dim: "
+                             f"{self.min}, {self.opt}, {self.max}")
 
     def covers(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) == len(self.min) and all(lo <= d <= hi for lo, d, hi in zip(self.min, shape, self.max))
+        return len(shape) == len(self.min) and all(lo <= d <= hi
+                                                   for lo, d, hi in zip(self.min, shape, self.max))
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,13 @@ class Profile:
     def to_dict(self) -> dict:
         """Plain json data (lists, not tuples): equal to what reading the manifest back gives."""
         return {"name": self.name,
-                "shapes": {k: {p: list(getattr(v, p)) for p in ("min", "opt", "max")} for k, v in self.shapes.items()}}
+                "shapes": {k: {p: list(getattr(v, p)) for p in ("min", "opt", "max")}
+                           for k, v in self.shapes.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
-        shapes = {k: ShapeRange(*(tuple(v[p]) for p in ("min", "opt", "max"))) for k, v in data["shapes"].items()}
+        shapes = {k: ShapeRange(*(tuple(v[p]) for p in ("min", "opt", "max")))
+                  for k, v in data["shapes"].items()}
         return cls(data["name"], shapes)
 
 
@@ -114,7 +118,8 @@ class TrtSection:
     @classmethod
     def from_manifest(cls, manifest: EngineManifest, folder: str | Path = "?") -> "TrtSection":
         if not manifest.tensorrt:
-            raise EngineError(f"{folder} has no TensorRT engines: run `popcompile build-trt {folder}` on a GPU machine")
+            raise EngineError(f"{folder} has no TensorRT engines: "
+                              f"run `popcompile build-trt {folder}` on a GPU machine")
         try:
             return cls(**manifest.tensorrt)
         except TypeError as err:
@@ -155,4 +160,5 @@ def check_section(folder: Path, section: TrtSection) -> None:
         for engine in PLANS:
             section.profile_list(engine)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise EngineError(f"{folder}: the manifest's tensorrt.profiles do not parse ({err!r:.80}): {fix}") from None
+        raise EngineError(f"{folder}: the manifest's tensorrt.profiles do not parse ({err!r:.80}): "
+                          f"{fix}") from None

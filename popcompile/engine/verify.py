@@ -43,8 +43,8 @@ class HashCache:
 
     @staticmethod
     def identity(path: Path, info: os.stat_result) -> dict:
-        return {"path": str(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns, "ctime_ns": info.st_ctime_ns,
-                "inode": info.st_ino, "device": info.st_dev}
+        return {"path": str(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns,
+                "ctime_ns": info.st_ctime_ns, "inode": info.st_ino, "device": info.st_dev}
 
     def lookup(self, path: Path, info: os.stat_result) -> str | None:
         """The sha256 this very file (same identity) had when it was verified, or None."""
@@ -60,7 +60,8 @@ class HashCache:
         return digest if isinstance(digest, str) else None
 
     def store(self, path: Path, info: os.stat_result, digest: str) -> None:
-        """Remember a verified hash (atomically); a cache that cannot be written only costs the next load a hash."""
+        """Remember a verified hash (atomically); a cache that cannot be written only costs the next load a
+        hash."""
         if self.folder is None:
             return
         try:
@@ -91,21 +92,25 @@ def verify_file(folder: Path, name: str, key: str, size: int, sha256: str | None
     try:
         digest = sha256_file(path)
     except OSError as err:
-        raise EngineError(f"{folder}: {name} cannot be read ({err.strerror}): check its permissions") from None
+        raise EngineError(f"{folder}: {name} cannot be read ({err.strerror}): "
+                          f"check its permissions") from None
     if digest != sha256:
-        raise EngineError(f"{folder}: {name} does not match the manifest's sha256 (changed or corrupt): {fix}")
+        raise EngineError(f"{folder}: {name} does not match the manifest's sha256 (changed or corrupt): "
+                          f"{fix}")
     cache.store(path, info, digest)
     return path
 
 
 def verify_folder(folder: Path, manifest: EngineManifest, cache: HashCache) -> dict[str, Path]:
-    """Both graphs and the weights file verified; returns the resolved paths ("prefill", "decode", "weights")."""
+    """Both graphs and the weights file verified; returns the resolved paths ("prefill", "decode",
+    "weights")."""
     paths = {name: verify_file(folder, entry.file, f"graphs.{name}.file", entry.bytes, entry.sha256, cache)
              for name, entry in manifest.graphs.items()}
     weights = manifest.weights
     if manifest.weights_sha256() is None:
-        warnings.warn(f"{folder}: the manifest has no sha256 for {weights['file']} (exported before weights were "
-                      "hashed): it is checked by size only; re-export the engine to verify it",
+        warnings.warn(f"{folder}: the manifest has no sha256 for {weights['file']} "
+                      "(exported before weights were hashed): it is checked by size only; "
+                      "re-export the engine to verify it",
                       UnverifiedWeightsWarning, stacklevel=3)
     paths["weights"] = verify_file(folder, weights["file"], "weights.file", weights["bytes"],
                                    manifest.weights_sha256(), cache)

@@ -1,6 +1,7 @@
 """The vLLM folder's mark (``export --target vllm``): config.json's ``popcompile`` entry, read without vLLM.
 
-    "popcompile": {"format": 1, "cut": 20, "kv_weights": "pop_kv.safetensors" | null, "popcompile_version": ...}
+    "popcompile": {"format": 1, "cut": 20, "kv_weights": "pop_kv.safetensors" | null,
+                   "popcompile_version": ...}
 
 popcompile.vllm_plugin.settings validates the entry where vLLM loads the folder; here only whether a
 folder is one (``export --force`` may replace it; ``run`` names ``vllm serve`` instead of a missing manifest).

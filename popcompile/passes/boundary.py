@@ -7,7 +7,8 @@ POP computes, at POP's cost:
 
 Before, layer l >= cut (every position through every layer)::
 
-    x_l [B,N,d] -> norm -> q,k,v proj -> RoPE -> cache write (k,v) -> SDPA(causal) -> o_proj -> + -> MLP -> + -> x_{l+1}
+    x_l [B,N,d] -> norm -> q,k,v proj -> RoPE -> cache write (k,v) -> SDPA(causal) -> o_proj -> + -> MLP ...
+        ... -> + -> x_{l+1}
     x_L -> final norm -> lm_head -> logits
 
 After (``x̄`` = the last position only, [B,1,d]; ``h_cut`` = input of layer ``cut``)::
@@ -15,7 +16,8 @@ After (``x̄`` = the last position only, [B,1,d]; ``h_cut`` = input of layer ``c
     kv_in_l = h_cut                               (l == cut)
             = cat(h_cut[:, :N-1], x̄_l)            (l >  cut: POP's projection of h_cut, x_N's true state)
     kv_in_l -> norm -> k,v proj -> RoPE -> cache write            (all N positions, as POP)
-    x̄_l -> norm -> q proj -> RoPE(last position) -> SDPA(q̄; all N keys, not causal) -> o_proj -> + -> MLP -> + -> x̄_{l+1}
+    x̄_l -> norm -> q proj -> RoPE(last position) -> SDPA(q̄; all N keys, not causal) -> o_proj -> + -> MLP ...
+        ... -> + -> x̄_{l+1}
     x̄_L -> final norm -> lm_head -> logits [B,1,V]
 
 Layers ``0..cut-1`` are untouched. Deep layers keep their K/V projections over all positions (the
@@ -60,7 +62,8 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
     if not layers:
         raise UnsupportedGraph("no decoder layers ('layers.<i>' modules) found")
     if not 1 <= cut <= len(layers):
-        raise ValueError(f"cut={cut} is out of range for a graph with {len(layers)} layers: use 1..{len(layers)}")
+        raise ValueError(f"cut={cut} is out of range for a graph with {len(layers)} layers: "
+                         f"use 1..{len(layers)}")
     seq, seq_dim = _sequence(layers[0].input)
     if cut == len(layers):
         return BoundaryResult(gm, cut, len(layers), seq)
@@ -80,7 +83,8 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
     rewire_deep_layers(layers, cut, lambda layer: kv_inputs.get(layer.index, h_cut))
     for index, projections in (kv_weights or {}).items():
         if not cut < index < len(layers):
-            raise ValueError(f"kv_weights for layer {index}: only layers {cut + 1}..{len(layers) - 1} take them")
+            raise ValueError(f"kv_weights for layer {index}: "
+                             f"only layers {cut + 1}..{len(layers) - 1} take them")
         for name, projection in projections.items():
             _split_projection(gm, layers[index], name, projection, seq_dim)
     eliminate_dead_code(gm.graph)
@@ -130,7 +134,8 @@ def _split_projection(gm: fx.GraphModule, layer, name: str, projection: Projecti
     and concatenating makes torch.export guard on sizes (N-1 != 1, B != 1) and refuse dynamic N."""
     found = [n for n in layer.nodes if n.target in LINEAR and module_path(n).endswith(f"self_attn.{name}")]
     if len(found) != 1:
-        raise UnsupportedGraph(f"layer {layer.index}: expected one linear node in self_attn.{name}, found {len(found)}")
+        raise UnsupportedGraph(f"layer {layer.index}: expected one linear node in self_attn.{name}, "
+                               f"found {len(found)}")
     node = found[0]
     graph, (x, *original) = gm.graph, node.args
     prefix = f"pop_kv_{layer.index}_{name}"
@@ -184,7 +189,8 @@ class _LastPosition:
             if _same(value, self.seq):
                 return 1  # a shape argument: the copy has one position
             if self.seq.node.expr.free_symbols & value.node.expr.free_symbols:
-                raise UnsupportedGraph(f"{arg.name}: a size derived from the sequence length reaches the query side")
+                raise UnsupportedGraph(f"{arg.name}: a size derived from the sequence length "
+                                       f"reaches the query side")
             return arg  # independent of the sequence length (e.g. logits_to_keep)
         if isinstance(value, torch.Tensor):
             dims = [d for d, size in enumerate(value.shape) if _same(size, self.seq)]
@@ -217,5 +223,6 @@ def _check_output(graph: fx.Graph, copier: _LastPosition) -> None:
         raise UnsupportedGraph("no graph output depends on the last layer (graph break before the LM head?)")
     for node in output.all_input_nodes:
         if node in copier.last and not module_path(node).endswith("lm_head"):
-            raise UnsupportedGraph(f"output {node.name} depends on the deep layers but is not the LM head's logits")
+            raise UnsupportedGraph(f"output {node.name} depends on the deep layers "
+                                   f"but is not the LM head's logits")
     output.args = replaced

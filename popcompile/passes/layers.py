@@ -88,5 +88,6 @@ def _norm_input(layer: Layer) -> fx.Node:
     }
     if len(outside) != 1:
         names = sorted(a.name for a in outside)
-        raise ValueError(f"layer {layer.index}: expected one hidden-state input to '{INPUT_NORM}', found {names}")
+        raise ValueError(f"layer {layer.index}: expected one hidden-state input to '{INPUT_NORM}', "
+                         f"found {names}")
     return outside.pop()

@@ -7,8 +7,9 @@ are the present K/V only. The decode graph is never touched: run the pass on a c
 
 Before, layer l >= cut (every layer reads the previous layer's output)::
 
-    h_l -> input_layernorm -> q/k/v_proj -> RoPE -> attention -> o_proj -> +h_l -> post-norms, MLP -> +  -> h_{l+1}
+    h_l -> input_layernorm -> q/k/v_proj -> RoPE -> attention -> o_proj -> +h_l -> post-norms, MLP -> + ...
                                  k, v -> present.l
+        ... -> h_{l+1}
     ... h_L -> norm -> lm_head -> logits
 
 After (every deep layer reads h_cut, the output of layer cut-1; dead code is gone)::
@@ -66,7 +67,8 @@ def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) 
         rewire_deep_layers(layers, cut, lambda layer: h_cut)
     for index, projections in (kv_weights or {}).items():
         if not cut <= index < len(layers):
-            raise ValueError(f"kv_weights for layer {index}: only pruned layers {cut}..{len(layers) - 1} take them")
+            raise ValueError(f"kv_weights for layer {index}: "
+                             f"only pruned layers {cut}..{len(layers) - 1} take them")
         for name, projection in projections.items():
             _replace_projection(gm, layers[index], name, projection)
     erase_metadata_asserts(gm.graph)
@@ -90,7 +92,8 @@ def _replace_projection(gm: fx.GraphModule, layer, name: str, projection: Projec
     """Point the layer's ``<name>`` linear node at new weight (and bias) attributes of ``gm``."""
     linears = [n for n in layer.nodes if n.target in LINEAR and module_path(n).endswith(f"self_attn.{name}")]
     if len(linears) != 1:
-        raise ValueError(f"layer {layer.index}: expected one linear node in self_attn.{name}, found {len(linears)}")
+        raise ValueError(f"layer {layer.index}: expected one linear node in self_attn.{name}, "
+                         f"found {len(linears)}")
     node = linears[0]
     old_weight = node.args[1].meta.get("val")
     if old_weight is not None and tuple(old_weight.shape) != tuple(projection.weight.shape):

@@ -62,7 +62,8 @@ def symbolize_sequence(gm: fx.GraphModule, seq_len: int) -> Symbolized:
             runner.run(*inputs)
     except Exception as err:  # noqa: BLE001 - any op that refuses a symbolic N: this graph stays unpruned
         raise UnsupportedGraph(f"the static graph does not run with a symbolic sequence length "
-                               f"({type(err).__name__}: {str(err)[:200]}): compile with dynamic=True") from err
+                               f"({type(err).__name__}: {str(err)[:200]}): "
+                               f"compile with dynamic=True") from err
     _check_unambiguous(runner.values, seq_len, symbol, env)
     with gm.graph.inserting_after(placeholders[-1]):
         size = gm.graph.call_method("size", (token[0], token[1]))
@@ -86,11 +87,12 @@ def _check_unambiguous(values: dict, seq_len: int, symbol, env: ShapeEnv) -> Non
             mixed = getattr(expr, "free_symbols", set()) and expr != symbol
             if expr == seq_len or mixed:
                 raise UnsupportedGraph(
-                    f"the static sequence length {seq_len} cannot be told apart from another size ({node.name} "
-                    f"has shape {tuple(value.shape)}): compile with dynamic=True, or the next prompt length "
-                    "recompiles with a symbolic one")
+                    f"the static sequence length {seq_len} cannot be told apart from another size "
+                    f"({node.name} has shape {tuple(value.shape)}): compile with dynamic=True, "
+                    "or the next prompt length recompiles with a symbolic one")
     if symbol in env.replacements:
-        raise UnsupportedGraph(f"the static sequence length {seq_len} is pinned by the graph: compile with dynamic=True")
+        raise UnsupportedGraph(f"the static sequence length {seq_len} is pinned by the graph: "
+                               f"compile with dynamic=True")
 
 
 def _fake_input(value, seq_len: int, seq: torch.SymInt):
@@ -102,7 +104,8 @@ def _fake_input(value, seq_len: int, seq: torch.SymInt):
     if value.dim() >= 2 and value.shape[0] == seq_len:  # batch == N: which dims are the sequence?
         raise UnsupportedGraph(f"a token input of shape {tuple(value.shape)} has the static sequence length "
                                f"{seq_len} as its batch size too: compile with dynamic=True")
-    shape = [seq if size == seq_len else size for size in value.shape]  # no SymInt == int test: it would guard
+    # no SymInt == int test: it would guard
+    shape = [seq if size == seq_len else size for size in value.shape]
     return torch.empty(shape, dtype=value.dtype, device=value.device)
 
 
@@ -136,7 +139,8 @@ class _SymbolicRun(fx.Interpreter):
         self.literal_nodes: list[fx.Node] = []
 
     def run_node(self, node: fx.Node):
-        if node.op in ("call_function", "call_method") and _has_literal((node.args, node.kwargs), self.seq_len):
+        if (node.op in ("call_function", "call_method")
+                and _has_literal((node.args, node.kwargs), self.seq_len)):
             self.literal_nodes.append(node)
         value = super().run_node(node)
         self.values[node] = value
