@@ -32,7 +32,8 @@ _PUBLIC = {
     "resolve_cut": "popcompile.config",
     "build_graphs": "popcompile.driver",
     "export": "popcompile.driver",
-    "PopSession": "popcompile.runtime.ort",
+    "OrtSession": "popcompile.runtime.ort",
+    "PopSession": "popcompile.runtime.ort",  # OrtSession's earlier name
     "PopcompileError": "popcompile.errors",
     "ConfigError": "popcompile.errors",
     "InputError": "popcompile.errors",

@@ -5,9 +5,9 @@ next to the fixed cost of a call (the LM head, the weights read for x_N, the run
 POP still costs quality. So a prompt shorter than ``min_prompt_tokens`` is prefilled by the full model.
 
 The rule (docs/prompt_length.md): the shortest measured length whose speedup (full TTFT / POP TTFT,
-medians of interleaved repetitions) is at least ``min_speedup`` (default 1.2), and from which every longer measured
-length also is. A dip below ``min_speedup`` at a longer length moves the threshold past the dip: one
-lucky short measurement cannot switch POP on for the lengths where it was seen not to pay.
+medians of interleaved repetitions) is at least ``min_speedup`` (default 1.2), and from which every
+longer measured length also is. A dip below ``min_speedup`` at a longer length moves the threshold past
+the dip: one lucky short measurement cannot switch POP on for the lengths where it was seen not to pay.
 
     lengths   16   32   64   128  256  512  1024 2048
     speedup  0.9  1.22 1.15 1.25 1.3  1.35 1.4  1.45   -> 128 (32 passes, but 64 does not)
@@ -15,6 +15,7 @@ lucky short measurement cannot switch POP on for the lengths where it was seen n
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 
 from .errors import ConfigError
@@ -26,9 +27,18 @@ DEFAULT_MIN_SPEEDUP = 1.2
 #: the threshold where none is measured (the torch.compile backend, the vLLM plugin): the rule above on the
 #: torch backend's curve gives 16 (SmolLM2) and 64 (Gemma 3), the onnxruntime engines' 64 for both; the larger
 FIXED_MIN_PROMPT_TOKENS = 64
+#: a min_prompt_tokens of 0: POP for every prompt (the runtime's generation loop when nobody asks otherwise)
+ALWAYS_POP = 0
 
 
-def choose_min_prompt_tokens(measurements: Mapping[int, float], min_speedup: float = DEFAULT_MIN_SPEEDUP) -> int:
+def is_token_count(value: object) -> bool:
+    """The one rule for a min_prompt_tokens value: an integer >= 0 (numpy's too; not a bool). 0: POP for
+    every prompt."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def choose_min_prompt_tokens(measurements: Mapping[int, float],
+                             min_speedup: float = DEFAULT_MIN_SPEEDUP) -> int:
     """The shortest measured prompt length from which every measured speedup is >= ``min_speedup``.
 
     ``measurements``: prompt length (tokens) -> measured speedup of POP over full (> 0). ConfigError when
@@ -46,20 +56,22 @@ def choose_min_prompt_tokens(measurements: Mapping[int, float], min_speedup: flo
         longest = max(measurements)
         raise ConfigError(
             f"POP's measured speedup at the longest measured prompt ({longest} tokens: "
-            f"{measurements[longest]:.3f}x) is below min_speedup={min_speedup}: no length pays; measure longer "
-            f"prompts or give min_prompt_tokens explicitly")
+            f"{measurements[longest]:.3f}x) is below min_speedup={min_speedup}: no length pays; measure "
+            f"longer prompts or give min_prompt_tokens explicitly")
     return chosen
 
 
 def _check(measurements: Mapping[int, float], min_speedup: float) -> None:
     if not isinstance(measurements, Mapping) or not measurements:
-        raise ConfigError(f"measurements must be a non-empty mapping of prompt length -> speedup, got {measurements!r}")
+        raise ConfigError("measurements must be a non-empty mapping of prompt length -> speedup, "
+                          f"got {measurements!r}")
     for tokens, speedup in measurements.items():
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ConfigError(f"prompt length {tokens!r} must be an int >= 1 (tokens)")
         if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not math.isfinite(speedup) \
                 or speedup <= 0:
-            raise ConfigError(f"speedup {speedup!r} at {tokens} tokens must be a finite number > 0 (full TTFT / POP TTFT)")
-    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not math.isfinite(min_speedup) \
-            or min_speedup <= 0:
+            raise ConfigError(f"speedup {speedup!r} at {tokens} tokens must be a finite number > 0 "
+                              "(full TTFT / POP TTFT)")
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) \
+            or not math.isfinite(min_speedup) or min_speedup <= 0:
         raise ConfigError(f"min_speedup={min_speedup!r} must be a finite number > 0 (e.g. 1.1)")

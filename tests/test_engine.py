@@ -23,9 +23,9 @@ from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.errors import InputError
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.frontend.models import LoadedModel, ModelSource, load_model
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 
 ONNX_ATOL = 1e-4  # fp32 ORT vs eager torch logits: different kernels, same math
 # K/V are compared relative to their size: Gemma 3's values reach ~100, where 1e-4 absolute is below
@@ -79,13 +79,14 @@ def test_decode_logits_and_prefill_kv_match_torch(which, request):
     ids = np.array([_ids(folder)], dtype=np.int64)
     n = ids.shape[1]
     past = [t.numpy() for t in empty_past(manifest.kv_layout)]
-    feeds = {"input_ids": ids, "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64),
-             **dict(zip(manifest.kv_layout.past_names, past))}
+    feeds = {"input_ids": ids, "position_ids": np.arange(n)[None],
+             "attention_mask": np.ones((1, n), np.int64), **dict(zip(manifest.kv_layout.past_names, past))}
     logits = session.sessions["decode"].run(None, feeds)[0]
     prompt = torch.from_numpy(ids)
     with torch.no_grad():
         expected = loaded.model(prompt).logits[:, -1].numpy()
-        pop_cache = reference.prefill_cache(loaded.model, prompt[:, :-1], manifest.cut)  # x_1..x_{N-1}, pruned
+        # x_1..x_{N-1}, pruned
+        pop_cache = reference.prefill_cache(loaded.model, prompt[:, :-1], manifest.cut)
         run = reference.PopRun(loaded.model, reference.Variant(cut=manifest.cut), n)
         first = run.prefill(prompt).numpy()  # x_N's logits after the boundary step
     assert np.abs(logits - expected).max() <= ONNX_ATOL
@@ -93,9 +94,10 @@ def test_decode_logits_and_prefill_kv_match_torch(which, request):
     pop_logits, *kv = session.sessions["prefill"].run(None, feeds)
     assert np.abs(pop_logits - first).max() <= ONNX_ATOL
     for i, (layer, true) in enumerate(zip(pop_cache.layers, run.cache.layers)):
-        for name, got, want, last in (("K", kv[2 * i], layer.keys, true.keys), ("V", kv[2 * i + 1], layer.values,
-                                                                                 true.values)):
-            np.testing.assert_allclose(got[:, :, :-1], want.numpy(), rtol=KV_RTOL, atol=KV_ATOL, err_msg=f"{name} {i}")
+        for name, got, want, last in (("K", kv[2 * i], layer.keys, true.keys),
+                                      ("V", kv[2 * i + 1], layer.values, true.values)):
+            np.testing.assert_allclose(got[:, :, :-1], want.numpy(), rtol=KV_RTOL, atol=KV_ATOL,
+                                       err_msg=f"{name} {i}")
             np.testing.assert_allclose(got[:, :, -1:], last[:, :, -1:].numpy(), rtol=KV_RTOL, atol=KV_ATOL,
                                        err_msg=f"{name} {i}, x_N's row")
 
@@ -154,7 +156,8 @@ def test_streamed_text_stops_before_a_stop_string_and_decodes_incrementally(smol
     decode = type(session.tokenizer).decode
     monkeypatch.setattr(type(session.tokenizer), "decode", lambda self, ids, **kw: calls.append(1) or decode(
         self, ids, **kw))
-    pieces = list(session.stream("def add(a, b):", SamplingConfig(max_new_tokens=24, stop=(stop,)), chat=False))
+    sampling = SamplingConfig(max_new_tokens=24, stop=(stop,))
+    pieces = list(session.stream("def add(a, b):", sampling, chat=False))
     text = "".join(pieces)
     assert stop not in text and text == free[:free.find(stop)]
     assert len(calls) == 1
@@ -168,7 +171,8 @@ def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
     cached rows), and its greedy reply equals reference.PopRun doing the same in PyTorch."""
     session, sampling = PopSession(smol_engine), SamplingConfig(max_new_tokens=12)
     first = session.chat(CHAT, sampling)
-    second_turn = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Two more?"}]
+    second_turn = CHAT + [{"role": "assistant", "content": first.text},
+                          {"role": "user", "content": "Two more?"}]
     second = session.chat(second_turn, sampling)
     assert first.cached_tokens == 0 and second.cached_tokens > len(first.prompt_token_ids)
     assert second.prompt_token_ids == session.tokenizer.encode_chat(second_turn)
@@ -187,7 +191,8 @@ def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
 def test_chat_in_full_mode_equals_generating_from_the_whole_history(smol_engine):
     session, sampling = PopSession(smol_engine), SamplingConfig(max_new_tokens=12)
     first = session.chat(CHAT, sampling, mode="full")
-    turn = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And their sum?"}]
+    turn = CHAT + [{"role": "assistant", "content": first.text},
+                   {"role": "user", "content": "And their sum?"}]
     cached = session.chat(turn, sampling, mode="full")
     whole = session.generate([cached.prompt_token_ids], sampling, mode="full")[0]  # also ends the reuse
     assert cached.cached_tokens > 0 and cached.token_ids == whole.token_ids
@@ -195,10 +200,11 @@ def test_chat_in_full_mode_equals_generating_from_the_whole_history(smol_engine)
 
 
 def test_cli_chat_holds_a_conversation_on_stdin(smol_engine):
-    """`run --chat` without a prompt: one JSON object per stdin line; the second turn reuses the first's rows."""
-    done = subprocess.run([sys.executable, "-m", "popcompile.cli", "run", str(smol_engine), "--chat", "--json",
-                           "--max-new-tokens", "8", "--greedy"], input="Name a colour.\nAnother one?\n\nignored\n",
-                          capture_output=True, text=True)
+    """`run --chat` without a prompt: one JSON object per stdin line; the second turn reuses the first's
+    rows."""
+    done = subprocess.run([sys.executable, "-m", "popcompile.cli", "run", str(smol_engine), "--chat",
+                           "--json", "--max-new-tokens", "8", "--greedy"],
+                          input="Name a colour.\nAnother one?\n\nignored\n", capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     turns = [json.loads(line) for line in done.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2]
@@ -223,7 +229,8 @@ def test_kv_buffer_allocated_once_and_signatures_equal(smol_engine):
               for name in ("prefill", "decode")}
     kv = {name: [(v.name, str(v.type)) for v in g.graph.input if v.name.startswith("past_")]
           for name, g in graphs.items()}
-    assert kv["prefill"] == kv["decode"] and len(kv["decode"]) == 2 * EngineManifest.read(smol_engine).num_layers
+    layers = EngineManifest.read(smol_engine).num_layers
+    assert kv["prefill"] == kv["decode"] and len(kv["decode"]) == 2 * layers
     assert "dim_param: \"past\"" in kv["decode"][0][1]
 
 
@@ -317,7 +324,8 @@ def tiny_one_kv_head_engine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_separate_engine(tmp_path_factory) -> Path:
     """The boundary step as its own decode-graph call (boundary="separate")."""
-    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama-sep", cut=3, max_seq=64, boundary="separate")
+    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama-sep", cut=3, max_seq=64,
+                       boundary="separate")
 
 
 def test_folded_and_separate_boundaries_generate_the_same(tiny_llama_engine, tiny_separate_engine):

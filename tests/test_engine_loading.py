@@ -24,8 +24,8 @@ from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.engine.tensorrt import TrtSection
 from popcompile.engine.verify import HashCache, UnverifiedWeightsWarning
 from popcompile.errors import ConfigError, EngineError, InputError, PopcompileError
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 from popcompile.runtime.trt import TrtSession, verify_plans
 
 PROMPT = [[5, 9, 12, 40, 41]]
@@ -347,7 +347,8 @@ def test_truncated_graph_with_a_matching_manifest(folder, keep):
 
 
 @pytest.mark.parametrize("damage, words", [
-    ("truncate", ["prefill.onnx is not a readable ONNX graph"]), ("symlink-out", ["outside the engine folder"])])
+    ("truncate", ["prefill.onnx is not a readable ONNX graph"]),
+    ("symlink-out", ["outside the engine folder"])])
 def test_tensorrt_check_reads_only_verified_graphs(folder, tmp_path, damage, words):
     from popcompile.exporters.tensorrt_compat import check_engine
 
@@ -390,9 +391,10 @@ def test_swapped_graph_files(folder):
 # ------------------------------------------------------------------------------------------- TensorRT plans
 
 def trt_section(plans: dict) -> TrtSection:
-    return TrtSection(tensorrt_version="x", gpu="x", compute_capability="x", precision="fp32", workspace_gb=1.0,
-                      max_batch=1, sentinel_rows=1, decode_kv="static", plans=plans,
-                      profiles={"prefill": [], "decode": []}, onnx_sha256={}, timing_cache="", build_seconds={})
+    return TrtSection(tensorrt_version="x", gpu="x", compute_capability="x", precision="fp32",
+                      workspace_gb=1.0, max_batch=1, sentinel_rows=1, decode_kv="static", plans=plans,
+                      profiles={"prefill": [], "decode": []}, onnx_sha256={}, timing_cache="",
+                      build_seconds={})
 
 
 def test_tensorrt_plans_are_verified_and_stay_inside_the_folder(folder, tmp_path, cache):
@@ -401,7 +403,8 @@ def test_tensorrt_plans_are_verified_and_stay_inside_the_folder(folder, tmp_path
     (tmp_path / "decode.plan").write_bytes(data)
     entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     good = {"file": "prefill.plan", **entry}
-    assert verify_plans(folder, trt_section({"prefill": good, "decode": good}), cache)["decode"].name == "prefill.plan"
+    paths = verify_plans(folder, trt_section({"prefill": good, "decode": good}), cache)
+    assert paths["decode"].name == "prefill.plan"
     for plan, words in [({"file": "../decode.plan", **entry}, ["tensorrt.plans.decode", "build-trt"]),
                         ({"file": "/etc/passwd", **entry}, ["tensorrt.plans.decode"]),
                         ({"file": "prefill.plan", "bytes": "10"}, ["tensorrt.plans.decode"]),
@@ -411,7 +414,8 @@ def test_tensorrt_plans_are_verified_and_stay_inside_the_folder(folder, tmp_path
         assert all(w in str(error.value) for w in words), str(error.value)
     (folder / "decode.plan").symlink_to(tmp_path / "decode.plan")
     with pytest.raises(EngineError, match="outside the engine folder"):
-        verify_plans(folder, trt_section({"prefill": good, "decode": {"file": "decode.plan", **entry}}), cache)
+        plans = {"prefill": good, "decode": {"file": "decode.plan", **entry}}
+        verify_plans(folder, trt_section(plans), cache)
 
 
 def good_section() -> dict:
@@ -423,8 +427,10 @@ def good_section() -> dict:
 
 @pytest.mark.parametrize("key, value, words", [
     ("plans", ["prefill", "decode"], "tensorrt.plans="), ("max_batch", "1", "tensorrt.max_batch='1'"),
-    ("sentinel_rows", 0, "tensorrt.sentinel_rows=0"), ("profiles", {"prefill": [{}], "decode": []}, "profiles"),
-    ("profiles", {"prefill": 5, "decode": []}, "tensorrt.profiles="), ("workspace_gb", float("nan"), "workspace_gb"),
+    ("sentinel_rows", 0, "tensorrt.sentinel_rows=0"),
+    ("profiles", {"prefill": [{}], "decode": []}, "profiles"),
+    ("profiles", {"prefill": 5, "decode": []}, "tensorrt.profiles="),
+    ("workspace_gb", float("nan"), "workspace_gb"),
 ])
 def test_malformed_tensorrt_sections(folder, key, value, words):
     edit(folder, put("tensorrt", {**good_section(), key: value}))
@@ -440,7 +446,8 @@ def test_good_engine_loads_and_checks_token_ids(engine, cache):
     session = load(engine, cache)
     assert session.vocab == 97
     greedy = session.generate(PROMPT, SamplingConfig(max_new_tokens=3))[0].token_ids
-    assert session.generate(PROMPT, {"max_new_tokens": 3, "temperature": 0, "greedy": False})[0].token_ids == greedy
+    zero = session.generate(PROMPT, {"max_new_tokens": 3, "temperature": 0, "greedy": False})[0]
+    assert zero.token_ids == greedy
     for prompts, words in [([[1, -5, 3]], "token 1 is int -5"), ([[1, 2.0]], "float 2.0"), ([[97]], "int 97"),
                            ([[1, True]], "bool True"), ([1, 2], "[[id, id, ...]]"), ([], "non-empty"),
                            ([[]], "no tokens"), ([[1] * 64], "max length 64"), (7, "int 7")]:
@@ -457,14 +464,16 @@ def test_good_engine_loads_and_checks_token_ids(engine, cache):
 # ------------------------------------------------------------------------------------------- fuzzing
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=8)
 _KEYS = ["model", "num_layers", "cut", "kv_layout", "kv_layout.num_layers", "kv_layout.num_kv_heads",
          "kv_layout.head_dim", "kv_layout.max_seq", "kv_layout.dtype", "graphs", "graphs.prefill",
          "graphs.prefill.file", "graphs.prefill.inputs", "graphs.prefill.bytes", "graphs.decode.sha256",
-         "graphs.decode.outputs", "weights", "weights.file", "weights.bytes", "weights.sha256", "dtype", "versions",
-         "eos_token_ids", "target", "format", "format_version", "extra", "tensorrt", "boundary", "min_prompt_tokens"]
+         "graphs.decode.outputs", "weights", "weights.file", "weights.bytes", "weights.sha256", "dtype",
+         "versions", "eos_token_ids", "target", "format", "format_version", "extra", "tensorrt", "boundary",
+         "min_prompt_tokens"]
 _FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -473,7 +482,8 @@ def _loads_or_engine_error(folder: Path, cache: HashCache) -> None:
     before = {name: digest for name, digest in checksums(folder).items() if name != MANIFEST}
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UnverifiedWeightsWarning)  # a fuzzed manifest may drop weights.sha256
+            # a fuzzed manifest may drop weights.sha256
+            warnings.simplefilter("ignore", UnverifiedWeightsWarning)
             load(folder, cache)
     except EngineError as error:
         assert "\n" not in str(error)

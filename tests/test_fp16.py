@@ -14,9 +14,9 @@ from tiny_engine import tiny_engine
 
 from popcompile.driver import cast_model, export
 from popcompile.engine.manifest import EngineError, EngineManifest
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 
 # float16 keeps 11 significant bits (relative step 4.9e-4); through 4 tiny layers the rounding of
 # weights and activations adds up to ~1e-3 on logits and K/V of magnitude ~1 (measured 4-7e-4).
@@ -73,7 +73,8 @@ def test_float16_graphs_match_float32(engines):
     assert all(a.dtype == np.float16 for a in [*pre16, *dec16])
     assert pre16[0].argmax() == pre32[0].argmax()
     for index, (a, b) in enumerate(zip(pre16 + dec16, pre32 + dec32)):
-        np.testing.assert_allclose(a.astype(np.float32), b, rtol=FP16_RTOL, atol=FP16_ATOL, err_msg=f"output {index}")
+        np.testing.assert_allclose(a.astype(np.float32), b, rtol=FP16_RTOL, atol=FP16_ATOL,
+                                   err_msg=f"output {index}")
     assert dec16[0].argmax() == dec32[0].argmax()
 
 

@@ -17,9 +17,9 @@ from popcompile.driver import export
 from popcompile.errors import ConfigError, EngineError
 from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.defaults import SamplingOptions, engine_sampling, resolve_sampling
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 
 LLAMA3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}
 FILE = "generation_config.json"
@@ -45,12 +45,14 @@ def test_the_files_values_are_used_and_unset_ones_are_off():
 
 def test_the_users_options_win():
     choice = resolve_sampling(LLAMA3, SamplingOptions(temperature=1.3, top_k=4, seed=9))
-    assert (choice.greedy, choice.temperature, choice.top_k, choice.top_p, choice.seed) == (False, 1.3, 4, 0.9, 9)
+    got = (choice.greedy, choice.temperature, choice.top_k, choice.top_p, choice.seed)
+    assert got == (False, 1.3, 4, 0.9, 9)
     assert choice.sources["temperature"] == "--temperature" and choice.sources["top_p"] == FILE
     greedy = resolve_sampling(LLAMA3, SamplingOptions(greedy=True))
     assert greedy.greedy and greedy.sources["greedy"] == "--greedy"
     asked = resolve_sampling({"do_sample": False, "temperature": 0.5}, SamplingOptions(top_p=0.8))
-    assert (asked.greedy, asked.temperature, asked.top_p) == (False, 0.5, 0.8)  # a sampling option asks to sample
+    # a sampling option asks to sample
+    assert (asked.greedy, asked.temperature, asked.top_p) == (False, 0.5, 0.8)
 
 
 @pytest.mark.parametrize("config, options, why", [
@@ -94,13 +96,16 @@ def test_the_api_decodes_as_the_file_says_under_a_dicts_values():
     assert engine_sampling(LLAMA3, {"greedy": True, "max_new_tokens": 5}).greedy
     assert engine_sampling({}, {"top_k": 3}) == SamplingConfig(greedy=False, top_k=3)  # a sampling value asks
     assert engine_sampling({}, {"greedy": False}) == SamplingConfig(greedy=False)
-    assert engine_sampling({}, {"top_k": np.int64(3), "temperature": np.float32(0.5), "seed": np.int64(1)}) == \
-        SamplingConfig(greedy=False, top_k=3, temperature=0.5, seed=1)  # numpy numbers, as SamplingConfig takes
+    # numpy numbers, as SamplingConfig takes
+    numpy_numbers = {"top_k": np.int64(3), "temperature": np.float32(0.5), "seed": np.int64(1)}
+    expected = SamplingConfig(greedy=False, top_k=3, temperature=0.5, seed=1)
+    assert engine_sampling({}, numpy_numbers) == expected
     config = SamplingConfig(max_new_tokens=3)
     assert engine_sampling(LLAMA3, config) is config  # a SamplingConfig is used exactly as given
 
 
-@pytest.mark.parametrize("sampling, says", [({"max_tokens": 2}, "unknown sampling options"), (5, "SamplingConfig"),
+@pytest.mark.parametrize("sampling, says", [({"max_tokens": 2}, "unknown sampling options"),
+                                            (5, "SamplingConfig"),
                                             ({"temperature": "hot"}, "temperature must be"),
                                             ({"greedy": True, "top_p": 0.5}, "cannot be combined")])
 def test_the_api_refuses_bad_sampling(sampling, says):
@@ -143,17 +148,20 @@ def test_run_samples_with_the_engines_defaults(sampling_engine, capsys):
         "ignored": {"repetition_penalty": 1.3}}
     assert "repetition_penalty=1.3, which popcompile does not apply" in err
     session = PopSession(sampling_engine, threads=1)
-    assert result["prompt_token_ids"] == encode_prompt(session.tokenizer, "t5 t6 t7", chat=False) == [8, 9, 10]
+    prompt_ids = encode_prompt(session.tokenizer, "t5 t6 t7", chat=False)
+    assert result["prompt_token_ids"] == prompt_ids == [8, 9, 10]
     expected = session.generate("t5 t6 t7", SamplingConfig(greedy=False, temperature=0.7, top_k=5, top_p=0.9,
                                                            seed=3, max_new_tokens=6), chat=False)[0]
     assert result["token_ids"] == expected.token_ids
     assert session.generate("t5 t6 t7", {"seed": 3, "max_new_tokens": 6}, chat=False)[0].token_ids == \
         expected.token_ids  # the API decodes with the same defaults
     greedy = session.generate("t5 t6 t7", SamplingConfig(max_new_tokens=6), chat=False)[0].token_ids
-    assert session.generate("t5 t6 t7", {"greedy": True, "max_new_tokens": 6}, chat=False)[0].token_ids == greedy
+    asked_greedy = session.generate("t5 t6 t7", {"greedy": True, "max_new_tokens": 6}, chat=False)[0]
+    assert asked_greedy.token_ids == greedy
     assert run_json(capsys, sampling_engine, "--greedy")[0]["token_ids"] == greedy
     zero, _ = run_json(capsys, sampling_engine, "--temperature", "0")
-    assert zero["token_ids"] == greedy and zero["sampling"]["sources"]["greedy"] == "temperature 0 (--temperature)"
+    assert zero["token_ids"] == greedy
+    assert zero["sampling"]["sources"]["greedy"] == "temperature 0 (--temperature)"
 
 
 def test_run_flag_overrides_one_value(sampling_engine, capsys):

@@ -13,8 +13,8 @@ from popcompile.commands.info import summary
 from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.errors import ConfigError, EngineError
 from popcompile.runtime.compare import compare, measure_speedups, measured_min_prompt_tokens
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 from popcompile.threshold import choose_min_prompt_tokens
 
 SHORT, LONG = [5, 9, 12], [5, 9, 12, 40, 41, 7, 3, 88, 19, 23, 61]
@@ -53,7 +53,8 @@ def test_below_threshold_equals_full_and_at_or_above_equals_pop(engine):
     pop_short = _first(forced, SHORT)
     pop_long = _first(forced, LONG)
     assert pop_short[2] == pop_long[2] == "pop"
-    assert not np.array_equal(full_short[0], pop_short[0])  # the two paths differ, so the checks below can fail
+    # the two paths differ, so the checks below can fail
+    assert not np.array_equal(full_short[0], pop_short[0])
     session = PopSession(engine, min_prompt_tokens=len(LONG))
     short = _first(session, SHORT)
     assert short[2] == "full" and np.array_equal(short[0], full_short[0]) and short[1] == full_short[1]
@@ -63,7 +64,8 @@ def test_below_threshold_equals_full_and_at_or_above_equals_pop(engine):
 
 
 def test_manifest_threshold_is_the_session_default(engine, tmp_path):
-    manifest = EngineManifest.read(engine)  # tests export with min_prompt_tokens=0: POP always, nothing measured
+    # tests export with min_prompt_tokens=0: POP always, nothing measured
+    manifest = EngineManifest.read(engine)
     assert manifest.min_prompt_tokens == 0 and manifest.extra["min_prompt_tokens"] is None
     folder = tmp_path / "e"
     folder.mkdir()
@@ -101,7 +103,8 @@ def test_measure_speedups_table(engine):
 
 
 class _Timed:
-    """A session whose TTFTs follow ``speedup(n)`` (full = n ms, POP = n / speedup(n) ms): the rule's input."""
+    """A session whose TTFTs follow ``speedup(n)`` (full = n ms, POP = n / speedup(n) ms): the rule's
+    input."""
 
     def __init__(self, session, speedup):
         self.session, self.speedup = session, speedup
@@ -175,14 +178,15 @@ def test_cli_run_prompt_file_then_instruction(engine, tmp_path, capsys):
 
 
 def test_flop_bound_reads_config_json_only_inside_the_folder(tmp_path):
-    """config.json is not in the manifest's hashed list: read for the FLOP bound only from inside the folder."""
+    """config.json is not in the manifest's hashed list: read for the FLOP bound only from inside the
+    folder."""
     from popcompile.runtime.compare import engine_flop_bound
 
     folder = tmp_path / "engine"
     folder.mkdir()
     assert engine_flop_bound(folder, 512, 20) is None  # no config: no bound, not an error
-    config = {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-              "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152}
+    config = {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (folder / "config.json").symlink_to(tmp_path / "config.json")
     with pytest.raises(EngineError, match="outside the engine folder"):

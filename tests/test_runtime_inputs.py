@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from popcompile.engine.kv import KVLayout
 from popcompile.errors import ConfigError, EngineError, EnvironmentUnavailable, InputError
-from popcompile.runtime.generate import Sampler, SamplingConfig, sampling_config
 from popcompile.runtime.kvbuffer import KVBuffer
 from popcompile.runtime.loop import Generation, prompt_ids
 from popcompile.runtime.ort import provider_list, session_options
+from popcompile.runtime.sampling import Sampler, SamplingConfig, sampling_config
 
 VOCAB, MAX_SEQ = 100, 16
 
@@ -82,7 +82,8 @@ def test_temperature_zero_means_greedy(value):
     ("temperature", math.inf), ("temperature", -math.inf), ("temperature", math.nan), ("temperature", -0.5),
     ("temperature", "0.7"), ("temperature", True), ("top_p", math.nan), ("top_p", math.inf), ("top_p", 0),
     ("top_k", 2.0), ("top_k", -1), ("max_new_tokens", 0), ("max_new_tokens", 1.5), ("max_new_tokens", None),
-    ("seed", -1), ("seed", 1.5), ("greedy", "yes"), ("greedy", 1), ("stop", 5), ("stop", [""]), ("stop", [None]),
+    ("seed", -1), ("seed", 1.5), ("greedy", "yes"), ("greedy", 1), ("stop", 5), ("stop", [""]),
+    ("stop", [None]),
 ])
 def test_bad_sampling_values_are_config_errors(field, value):
     with pytest.raises(ConfigError, match=field) as error:
@@ -91,7 +92,8 @@ def test_bad_sampling_values_are_config_errors(field, value):
 
 
 def test_sampling_accepts_a_mapping_of_its_fields():
-    assert sampling_config({"max_new_tokens": 2, "temperature": 0}) == SamplingConfig(max_new_tokens=2, temperature=0)
+    expected = SamplingConfig(max_new_tokens=2, temperature=0)
+    assert sampling_config({"max_new_tokens": 2, "temperature": 0}) == expected
     assert sampling_config(None) == SamplingConfig()
     config = SamplingConfig(top_k=3)
     assert sampling_config(config) is config
@@ -173,11 +175,13 @@ def _model_with_external_data() -> bytes:
         return tensor
 
     branch = helper.make_graph([helper.make_node("Identity", ["w2"], ["y"])], "branch", [],
-                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [external("w2", 32)])
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                               [external("w2", 32)])
     nodes = [helper.make_node("Constant", [], ["c"], value=external("c", 16)),
              helper.make_node("If", ["cond"], ["out"], then_branch=branch, else_branch=branch)]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])], [external("w", 0)])
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])],
+                              [external("w", 0)])
     return helper.make_model(graph).SerializeToString()
 
 

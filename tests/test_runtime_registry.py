@@ -1,4 +1,5 @@
-"""The runtime registry (runtime/__init__.py) and the session core's public prefill / step (runtime/session.py)."""
+"""The runtime registry (runtime/__init__.py) and the session core's public prefill / step
+(runtime/session.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +11,8 @@ from tiny_engine import tiny_engine
 
 from popcompile.errors import ConfigError, InputError
 from popcompile.runtime import RUNTIMES, open_session, session_class
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 from popcompile.runtime.session import Session
 
 
@@ -30,7 +31,8 @@ def test_registry_names_both_runtimes_and_every_session_shares_the_core():
 
 
 def test_unknown_runtime_or_option_is_named(engine):
-    with pytest.raises(ConfigError, match="runtime='vllm' is not a runtime: choose one of onnxruntime, tensorrt"):
+    with pytest.raises(ConfigError,
+                       match="runtime='vllm' is not a runtime: choose one of onnxruntime, tensorrt"):
         open_session(engine, runtime="vllm")
     with pytest.raises(ConfigError, match="takes no option kv_binding: its options are provider, threads"):
         open_session(engine, kv_binding="static")
@@ -44,7 +46,8 @@ def test_open_session_passes_options(engine):
 def test_importing_the_registry_loads_no_runtime():
     code = "import sys, popcompile.runtime; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
            "('onnxruntime', 'tensorrt', 'torch', 'onnx')))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("mode", ["pop", "full"])
@@ -70,5 +73,6 @@ def test_step_needs_a_prefill_and_a_full_cache_is_an_input_error(engine):
         session.prefill(np.ones((1, 33), np.int64))
     session.prefill(np.ones((1, 30), np.int64))
     session.step(np.array([[1, 2]]))
-    with pytest.raises(InputError, match="KV buffer full: 33 tokens exceed max_seq=32: give a shorter prompt"):
+    with pytest.raises(InputError,
+                       match="KV buffer full: 33 tokens exceed max_seq=32: give a shorter prompt"):
         session.step(np.array([[1]]))

@@ -100,7 +100,8 @@ def test_chat_template(pair):
 
 
 def test_prompt_ids_equal_hf(pair):
-    """encode_prompt (what run and eval send) equals apply_chat_template(tokenize=True), or tokenizer(text)."""
+    """encode_prompt (what run and eval send) equals apply_chat_template(tokenize=True), or
+    tokenizer(text)."""
     hf, tok, name = pair
     for text in TEXTS[1:4]:
         if name == "gemma3-270m":  # no template: plain text with <bos>
@@ -168,10 +169,11 @@ def test_template_sandbox_and_helpers(tmp_path, pair):
 def test_runtime_imports_no_torch():
     code = textwrap.dedent(
         """
-        import sys, popcompile.runtime.tokenizer, popcompile.runtime.generate
+        import sys, popcompile.runtime.tokenizer, popcompile.runtime.sampling
         bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]
         bad += [m for m in sys.modules if m.startswith('popcompile.') and not (
-            m.startswith(('popcompile.runtime', 'popcompile.engine')) or m in ('popcompile.errors', 'popcompile.fsutil'))]
+            m.startswith(('popcompile.runtime', 'popcompile.engine'))
+            or m in ('popcompile.errors', 'popcompile.fsutil'))]
         assert not bad, bad
         """
     )

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from popcompile.runtime.generate import Sampler, SamplingConfig, StopChecker, StopStrings, softmax
+from popcompile.runtime.sampling import Sampler, SamplingConfig, StopChecker, StopStrings, softmax
 
 # Frequencies of DRAWS samples from a 6-token distribution: each frequency's standard error
 # is at most sqrt(0.25 / 20000) = 0.0035, so 0.02 is > 5 sigma (flaky < 1e-6 per token).

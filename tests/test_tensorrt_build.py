@@ -30,8 +30,8 @@ from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnava
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
 from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.runtime.generate import Sampler, SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import Sampler, SamplingConfig
 from popcompile.runtime.trt import EngineIO, TrtSession, resolve_binding
 
 HAS_GPU_STACK = shutil.which("nvidia-smi") is not None and importlib.util.find_spec("tensorrt") is not None
@@ -91,7 +91,8 @@ def test_profiles_from_manifest(llama_engine, static):
     layout = EngineManifest.read(llama_engine).kv_layout
     config = TrtBuildConfig(opt_seq=16, opt_batch=2, max_batch=4)
     plan = profiles(layout, config, static_decode=static)
-    assert {k: [p.name for p in v] for k, v in plan.items()} == {"prefill": ["prefill"], "decode": ["step", "prompt"]}
+    names = {k: [p.name for p in v] for k, v in plan.items()}
+    assert names == {"prefill": ["prefill"], "decode": ["step", "prompt"]}
     rows = layout.max_seq + 1
     step = plan["decode"][0].shapes
     assert step["input_ids"] == ShapeRange((1, 1), (2, 1), (4, 1))
@@ -278,8 +279,8 @@ def emulated_session(folder: Path, *, max_batch: int, kv_binding: str = "auto", 
     config = TrtBuildConfig(precision="fp32", opt_seq=16, max_batch=max_batch)
     plan = profiles(manifest.kv_layout, config, static_decode=static)
     section = TrtSection(
-        tensorrt_version="emulated", gpu="none", compute_capability="none", precision="fp32", workspace_gb=1.0,
-        max_batch=max_batch, sentinel_rows=1, decode_kv="static" if static else "gather",
+        tensorrt_version="emulated", gpu="none", compute_capability="none", precision="fp32",
+        workspace_gb=1.0, max_batch=max_batch, sentinel_rows=1, decode_kv="static" if static else "gather",
         plans={name: {"file": file, "bytes": 0, "sha256": ""} for name, file in PLANS.items()},
         profiles={k: [p.to_dict() for p in v] for k, v in plan.items()}, onnx_sha256={}, timing_cache="",
         build_seconds={})
@@ -290,12 +291,14 @@ def emulated_session(folder: Path, *, max_batch: int, kv_binding: str = "auto", 
     contexts = {"prefill": EmulatedContext(sessions["prefill"], plan["prefill"][0], device, dtypes),
                 **{p.name: EmulatedContext(sessions["decode"], p, device, dtypes) for p in plan["decode"]}}
     io = EngineIO(dtypes, sessions["decode"].get_outputs()[0].shape[-1])
-    return TrtSession.from_parts(folder, section, contexts, io, device, kv_binding=kv_binding, cuda_graph=cuda_graph)
+    return TrtSession.from_parts(folder, section, contexts, io, device, kv_binding=kv_binding,
+                                 cuda_graph=cuda_graph)
 
 
 @pytest.fixture
 def sampled_logits(monkeypatch) -> list[np.ndarray]:
-    """The logits of every step any generation samples from (both runtimes share loop.Generation's Sampler)."""
+    """The logits of every step any generation samples from (both runtimes share loop.Generation's
+    Sampler)."""
     logits, call = [], Sampler.__call__
 
     def recording(self, step_logits):
@@ -306,7 +309,8 @@ def sampled_logits(monkeypatch) -> list[np.ndarray]:
     return logits
 
 
-PROMPTS = [[5, 9, 11, 3, 7, 40, 41, 60, 8], [12, 13, 70, 71]]  # left padding: the second row starts at column 5
+# left padding: the second row starts at column 5
+PROMPTS = [[5, 9, 11, 3, 7, 40, 41, 60, 8], [12, 13, 70, 71]]
 
 
 @pytest.mark.parametrize("engine, batch, binding, graph, mode", [
@@ -318,7 +322,8 @@ PROMPTS = [[5, 9, 11, 3, 7, 40, 41, 60, 8], [12, 13, 70, 71]]  # left padding: t
     ("gemma_engine", 1, "auto", False, "full"),
     ("llama_separate_engine", 2, "static", True, "pop"),  # boundary step on the step profile
 ])
-def test_emulated_trt_session_matches_onnxruntime(engine, batch, binding, graph, mode, request, sampled_logits):
+def test_emulated_trt_session_matches_onnxruntime(engine, batch, binding, graph, mode, request,
+                                                   sampled_logits):
     folder = request.getfixturevalue(engine)
     trt_session = emulated_session(folder, max_batch=batch, kv_binding=binding, cuda_graph=graph)
     ort_session = PopSession(folder)

@@ -34,7 +34,8 @@ def tiny_engine(model_type: str, out_dir: str | Path, **export_kwargs) -> Path:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     source = ModelSource(name="tiny", kind="folder", path="tiny", sha256=None)
     export_kwargs.setdefault("kv_calibration", "none")  # the paper's POP, what the tests compare against
-    export_kwargs.setdefault("min_prompt_tokens", 0)  # POP for every prompt: the tests choose the path themselves
+    # POP for every prompt: the tests choose the path themselves
+    export_kwargs.setdefault("min_prompt_tokens", 0)
     export(LoadedModel(model, tokenizer, source), out_dir, **export_kwargs)
     return Path(out_dir)
 

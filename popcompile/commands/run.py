@@ -11,56 +11,63 @@ from .common import CliError, check_range, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 
-#: the `run` flags each registered runtime takes (``runtime.RUNTIMES``'s names; ``--runtime`` chooses among them)
+#: the `run` flags each registered runtime takes (``runtime.RUNTIMES``'s names; ``--runtime`` chooses among
+#: them)
 RUNTIME_FLAGS = {"onnxruntime": ("provider", "threads"), "tensorrt": ("kv_binding", "cuda_graph")}
 
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="generate text with an engine folder",
-                       description="Generate with POP (the prefill graph on the prompt x_1..x_N returns x_N's "
-                                   "logits, then the decode graph per new token; engines exported with --boundary "
-                                   "separate prefill x_1..x_{N-1} and run x_N through the decode graph) or, with "
-                                   "--full, the decode graph alone. Decoding follows the engine's "
-                                   "generation_config.json (greedy unless it sets do_sample: true, with its "
-                                   "temperature/top_k/top_p) unless --greedy or a sampling option says otherwise; "
-                                   "--json reports the values used.")
+                       description="Generate with POP (the prefill graph on the prompt x_1..x_N returns "
+                                   "x_N's logits, then the decode graph per new token; engines exported with "
+                                   "--boundary separate prefill x_1..x_{N-1} and run x_N through the decode "
+                                   "graph) or, with --full, the decode graph alone. Decoding follows the "
+                                   "engine's generation_config.json (greedy unless it sets do_sample: true, "
+                                   "with its temperature/top_k/top_p) unless --greedy or a sampling option "
+                                   "says otherwise; --json reports the values used.")
     p.add_argument("engine", type=Path, help="engine folder written by `popcompile export`")
     p.add_argument("--prompt", help=DEFAULT_PROMPT_NOTE)
-    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file; with --prompt too, the file's "
-                                                   "text comes first and --prompt (an instruction) after it")
+    p.add_argument("--prompt-file", type=Path,
+                   help="read the prompt from a file; with --prompt too, the file's "
+                        "text comes first and --prompt (an instruction) after it")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--greedy", action="store_true",
                    help="always take the most likely token, whatever generation_config.json says")
     p.add_argument("--temperature", type=float,
-                   help="sample with this temperature; 0 = greedy (default: generation_config.json's, else 1)")
+                   help="sample with this temperature; 0 = greedy (default: generation_config.json's, "
+                        "else 1)")
     p.add_argument("--top-k", type=int,
-                   help="sample from the k most likely tokens; 0 = off (default: generation_config.json's, else off)")
+                   help="sample from the k most likely tokens; 0 = off (default: generation_config.json's, "
+                        "else off)")
     p.add_argument("--top-p", type=float, help="sample from the smallest set with this total probability; "
                                                "1 = off (default: generation_config.json's, else off)")
     p.add_argument("--seed", type=int, help="random seed for sampling (default: a new one each run)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="apply the chat template; without --prompt, hold a conversation: each line of stdin is "
-                           "the user's next message, each turn prefills only its new tokens (the cache keeps the "
-                           "earlier turns); an empty line or end of input ends it")
+                      help="apply the chat template; without --prompt, hold a conversation: each line of "
+                           "stdin is the user's next message, each turn prefills only its new tokens (the "
+                           "cache keeps the earlier turns); an empty line or end of input ends it")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
     path = p.add_mutually_exclusive_group()
-    path.add_argument("--full", action="store_true", help="no pruning: prefill with the decode graph (for comparison)")
+    path.add_argument("--full", action="store_true",
+                      help="no pruning: prefill with the decode graph (for comparison)")
     path.add_argument("--compare", action="store_true",
-                      help="run the prompt with POP (always pruned) and with the full model; print both texts, both "
-                           "TTFTs, the speedup next to its FLOP bound and whether the texts agree")
+                      help="run the prompt with POP (always pruned) and with the full model; print both "
+                           "texts, both TTFTs, the speedup next to its FLOP bound and whether the "
+                           "texts agree")
     p.add_argument("--repeat", type=int, default=1,
                    help="with --compare: runs per mode, interleaved; TTFTs are medians (default 1)")
     p.add_argument("--min-prompt-tokens", type=int, metavar="N",
-                   help="prompts shorter than N prefill with the full model (default: the engine's, chosen at "
-                        "export; 0: POP for every prompt)")
+                   help="prompts shorter than N prefill with the full model (default: the engine's, chosen "
+                        "at export; 0: POP for every prompt)")
     p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
     p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
     build_trt.add_runtime_options(p)
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="time the very first call, with the runtime's one-time start-up in it (default: one short "
-                        "untimed generation first, so TTFT is what every later call of a server would see)")
+                   help="time the very first call, with the runtime's one-time start-up in it (default: one "
+                        "short untimed generation first, so TTFT is what every later call of a server "
+                        "would see)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
     p.set_defaults(handler=cmd_run)
 
@@ -70,15 +77,16 @@ def open_session(args):
     from ..runtime import open_session as open_runtime
 
     runtime = getattr(args, "runtime", "onnxruntime")
-    return open_runtime(args.engine, runtime, **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())})
+    return open_runtime(args.engine, runtime,
+                        **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())})
 
 
 def _sampling_options(args):
     """The user's decoding options, checked before the engine loads (ConfigError naming the flag)."""
     from ..runtime.defaults import SamplingOptions
 
-    return SamplingOptions(greedy=True if args.greedy else None, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed)
+    return SamplingOptions(greedy=True if args.greedy else None, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 def _describe(choice) -> str:
@@ -103,10 +111,12 @@ def cmd_run(args) -> None:
                               str(args.engine / "generation_config.json"))
     sampling = choice.config(args.max_new_tokens, tuple(args.stop))
     if choice.ignored:
-        print(f"note: generation_config.json sets {', '.join(f'{k}={v!r}' for k, v in choice.ignored.items())}, "
+        print("note: generation_config.json sets "
+              f"{', '.join(f'{k}={v!r}' for k, v in choice.ignored.items())}, "
               "which popcompile does not apply", file=sys.stderr)
     modes = ("full", "pop") if args.compare else ("full",) if args.full else ("pop",)
-    if args.warmup:  # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once per graph
+    # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once per graph
+    if args.warmup:
         _warm_up(session, ids, modes)
     if args.compare:
         _compare(session, ids, sampling, choice, args)
@@ -119,7 +129,8 @@ def cmd_run(args) -> None:
         return
     print(f"\n\n[{result.mode}, prefill {result.prefill}] TTFT {result.ttft_s * 1000:.1f} ms | prefill "
           f"{result.prefill_tokens_per_s:.0f} tok/s ({len(result.prompt_token_ids)} tokens) | decode "
-          f"{result.decode_tokens_per_s:.1f} tok/s ({len(result.token_ids)} tokens, {result.finish_reason}) | "
+          f"{result.decode_tokens_per_s:.1f} tok/s "
+          f"({len(result.token_ids)} tokens, {result.finish_reason}) | "
           f"{_describe(choice)}{_below_note(result, session, args)}", file=sys.stderr)
 
 
@@ -135,8 +146,8 @@ def _check_args(args) -> str | None:
     if args.prompt is None and args.prompt_file is None:
         if args.chat and not args.compare:
             return None  # a conversation on stdin
-        raise CliError("no prompt: give --prompt TEXT, --prompt-file FILE, or both (the file's text, then TEXT); "
-                       "or --chat without them for a conversation")
+        raise CliError("no prompt: give --prompt TEXT, --prompt-file FILE, or both (the file's text, then "
+                       "TEXT); or --chat without them for a conversation")
     parts = [read_text(args.prompt_file, "--prompt-file")] if args.prompt_file is not None else []
     return "\n\n".join(parts + ([args.prompt] if args.prompt is not None else []))
 
@@ -146,7 +157,8 @@ def _converse(session, options, args) -> None:
     stdout, or one JSON object per turn with --json."""
     from ..runtime.defaults import resolve_sampling
 
-    choice = resolve_sampling(session.tokenizer.generation_config, options, str(args.engine / "generation_config.json"))
+    choice = resolve_sampling(session.tokenizer.generation_config, options,
+                              str(args.engine / "generation_config.json"))
     sampling, mode = choice.config(args.max_new_tokens, tuple(args.stop)), "full" if args.full else "pop"
     messages, ask = [], sys.stdin.isatty() and not args.json
     while True:
@@ -157,18 +169,20 @@ def _converse(session, options, args) -> None:
             return
         messages.append({"role": "user", "content": line})
         stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
-        reply = session.chat(messages, sampling, mode=mode, on_text=stream, min_prompt_tokens=args.min_prompt_tokens)
+        reply = session.chat(messages, sampling, mode=mode, on_text=stream,
+                             min_prompt_tokens=args.min_prompt_tokens)
         messages.append({"role": "assistant", "content": reply.text})
         if args.json:
             print(json.dumps({**reply.to_dict(), "turn": len(messages) // 2}), flush=True)
             continue
-        print(f"\n[turn {len(messages) // 2}: {len(reply.prompt_token_ids) - reply.cached_tokens} new prompt tokens, "
+        print(f"\n[turn {len(messages) // 2}: "
+              f"{len(reply.prompt_token_ids) - reply.cached_tokens} new prompt tokens, "
               f"{reply.cached_tokens} cached | TTFT {reply.ttft_s * 1000:.1f} ms | decode "
               f"{reply.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
 
 
 def _warm_up(session, ids: list[int], modes: tuple[str, ...]) -> None:
-    from ..runtime.generate import SamplingConfig
+    from ..runtime.sampling import SamplingConfig
 
     for mode in modes:  # min_prompt_tokens=0: the graphs the timed run will use, whatever the threshold
         session.generate([ids[:8]], SamplingConfig(max_new_tokens=2), mode=mode, min_prompt_tokens=0)

@@ -2,9 +2,11 @@
 what is new.
 
     turn 1   [system, user1] -> template ids p1            prefill p1 (POP), decode reply r1
-    cache    p1 + r1[:-1]                                  (the last reply token never ran: nothing came after it)
-    turn 2   [.., assistant r1, user2] -> template ids p2  keep the longest common prefix of p2 and the cache,
-                                                           prefill the rest of p2 after it (POP but its last token)
+    cache    p1 + r1[:-1]                                  (the last reply token never ran: nothing
+                                                            came after it)
+    turn 2   [.., assistant r1, user2] -> template ids p2  keep the longest common prefix of p2 and the
+                                                           cache, prefill the rest of p2 after it (POP
+                                                           but its last token)
 
 The rows kept are exactly what the earlier turns wrote: the prompts' deep K/V are POP's approximation
 (as a fresh POP prefill of the whole history would make them), the replies' are the full model's. Where
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError, InputError
-from .kvbuffer import KVBuffer
+from .kvstore import KVStore
 from .tokenizer import EngineTokenizer
 
 
@@ -24,10 +26,10 @@ from .tokenizer import EngineTokenizer
 class History:
     """The token ids whose rows ``buffer`` holds, in order (len(ids) == buffer.length)."""
 
-    buffer: KVBuffer
+    buffer: KVStore
     ids: list[int]
 
-    def keep_for(self, ids: list[int], buffer: KVBuffer) -> int:
+    def keep_for(self, ids: list[int], buffer: KVStore) -> int:
         """Cut the buffer back to the longest common prefix of its ids and ``ids`` (at least one token of
         ``ids`` is left to prefill: its logits start the reply); return the rows kept."""
         if buffer is not self.buffer:
@@ -61,6 +63,7 @@ def chat_prompt_ids(tokenizer: EngineTokenizer, messages: object, max_seq: int) 
                          "conversation so far, ending with the user's turn")
     ids = tokenizer.encode_chat(list(messages), add_generation_prompt=True)
     if len(ids) >= max_seq:
-        raise InputError(f"the conversation is {len(ids)} tokens, more than the engine's max length {max_seq}: "
-                         "start a new one with fewer messages, or re-export with a larger --max-seq")
+        raise InputError(f"the conversation is {len(ids)} tokens, more than the engine's max length "
+                         f"{max_seq}: start a new one with fewer messages, or re-export with a larger "
+                         "--max-seq")
     return ids

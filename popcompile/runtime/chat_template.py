@@ -37,7 +37,8 @@ _RENDER_ERRORS: tuple[tuple[type[BaseException], type[Exception], str], ...] = (
     (_TemplateRaised, InputError, "the chat template in {origin} refused the conversation: {error}"),
     (jinja2.exceptions.SecurityError, EngineError,
      "the chat template in {origin} tried an operation the sandbox forbids ({error}): " + _FIX),
-    (Exception, EngineError, "the chat template in {origin} failed while rendering ({kind}: {error}): " + _FIX),
+    (Exception, EngineError,
+     "the chat template in {origin} failed while rendering ({kind}: {error}): " + _FIX),
 )
 
 
@@ -60,8 +61,8 @@ class ChatTemplate:
             try:
                 self._compiled = _environment().from_string(self.source)
             except jinja2.exceptions.TemplateSyntaxError as error:
-                raise EngineError(f"the chat template in {self.origin} is not valid Jinja (line {error.lineno}: "
-                                  f"{_one_line(error.message)}): {_FIX}") from error
+                raise EngineError(f"the chat template in {self.origin} is not valid Jinja "
+                                  f"(line {error.lineno}: {_one_line(error.message)}): {_FIX}") from error
             except jinja2.exceptions.TemplateError as error:
                 raise EngineError(f"the chat template in {self.origin} does not compile "
                                   f"({_one_line(error)}): {_FIX}") from error

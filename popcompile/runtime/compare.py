@@ -82,7 +82,8 @@ def compare(session, prompt, sampling, *, chat: bool | None = None, repeats: int
     runs: dict[str, list[GenerationResult]] = {"full": [], "pop": []}
     for _ in range(repeats):
         for mode in runs:
-            runs[mode].append(session.generate(prompt, sampling, mode=mode, chat=chat, min_prompt_tokens=0)[0])
+            result = session.generate(prompt, sampling, mode=mode, chat=chat, min_prompt_tokens=0)[0]
+            runs[mode].append(result)
     full, pop = runs["full"][0], runs["pop"][0]
     return Comparison(
         full=full, pop=pop, repeats=repeats,
@@ -116,7 +117,7 @@ def measure_speedups(session, lengths=PROBE_LENGTHS, *, repeats: int = 3, seed: 
     """
     import numpy as np
 
-    from .generate import SamplingConfig
+    from .sampling import SamplingConfig
 
     rng = np.random.default_rng(seed)
     vocab = _vocab(session)
@@ -139,7 +140,8 @@ def measure_speedups(session, lengths=PROBE_LENGTHS, *, repeats: int = 3, seed: 
     return table
 
 
-def measured_min_prompt_tokens(session, runtime: str, min_speedup: float = DEFAULT_MIN_SPEEDUP) -> tuple[int, dict]:
+def measured_min_prompt_tokens(session, runtime: str,
+                               min_speedup: float = DEFAULT_MIN_SPEEDUP) -> tuple[int, dict]:
     """``export --min-prompt-tokens auto``: the threshold threshold.py's rule picks from this session's
     measured speedups, and the record kept in the manifest's ``extra["min_prompt_tokens"]``.
 
@@ -148,12 +150,13 @@ def measured_min_prompt_tokens(session, runtime: str, min_speedup: float = DEFAU
     table = measure_speedups(session, min_speedup=min_speedup)
     record = {"method": "measured", "runtime": runtime, "min_speedup": min_speedup, "table": table}
     if not table:
-        return 0, {**record, "note": f"max_seq {session.layout.max_seq} is below the shortest probe: POP everywhere"}
+        note = f"max_seq {session.layout.max_seq} is below the shortest probe: POP everywhere"
+        return 0, {**record, "note": note}
     try:
         return choose_min_prompt_tokens({row["tokens"]: row["speedup"] for row in table}, min_speedup), record
     except ConfigError:
-        note = (f"POP reached {min_speedup}x at no measured length (up to {table[-1]['tokens']} tokens): every "
-                "prompt prefills in full; give --min-prompt-tokens N to choose otherwise")
+        note = (f"POP reached {min_speedup}x at no measured length (up to {table[-1]['tokens']} tokens): "
+                "every prompt prefills in full; give --min-prompt-tokens N to choose otherwise")
         return session.layout.max_seq, {**record, "note": note}
 
 

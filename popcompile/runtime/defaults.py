@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, EngineError
-from .generate import SamplingConfig, sampling_config
+from .sampling import SamplingConfig, sampling_config
 
 __all__ = ["SamplingChoice", "SamplingOptions", "engine_sampling", "resolve_sampling"]
 
@@ -121,7 +121,8 @@ def file_defaults(generation_config: Mapping[str, Any], origin: str = FILE) -> d
     found = {key: generation_config.get(key) for key in ("do_sample", *SAMPLING_KEYS)}
     found = {key: value for key, value in found.items() if value is not None}
     if "do_sample" in found and not isinstance(found["do_sample"], bool):
-        raise EngineError(f"{origin}: do_sample must be true or false, got {found['do_sample']!r}: fix the file")
+        raise EngineError(f"{origin}: do_sample must be true or false, got {found['do_sample']!r}: "
+                          "fix the file")
     for key in SAMPLING_KEYS:
         valid, meaning = _RULES[key]
         if key in found and not valid(found[key]):

@@ -1,4 +1,5 @@
-"""The session's KV buffer on the host: allocated once, read as past rows, written row by row.
+"""The session's KV buffer on the host (a KVStore, kvstore.py): allocated once, read as past rows, written
+row by row.
 
     cache:    [layers, 2, batch, kv_heads, max_seq, head_dim]   (kv.KVLayout)   the KV cache itself
     staging:  [layers * 2, batch * kv_heads * max_seq * head_dim]                the graphs' KV tensors
@@ -32,41 +33,30 @@ from __future__ import annotations
 import numpy as np
 
 from ..engine.kv import KVLayout
-from ..errors import EngineError, InputError
+from ..errors import EngineError
+from .kvstore import KVBookkeeping
 
 
-class KVBuffer:
+class KVBuffer(KVBookkeeping):
+    """The host KVStore: the cache, the graphs' staging area and the mask, allocated once per batch size."""
+
     def __init__(self, layout: KVLayout, batch: int):
-        self.layout = layout
         try:
+            super().__init__(layout, batch)
             self.data = layout.allocate(batch)
             row = batch * layout.num_kv_heads * layout.max_seq * layout.head_dim
             self.staging = np.empty((2 * layout.num_layers, row), dtype=self.data.dtype)
-            self.mask = np.zeros((batch, layout.max_seq), dtype=np.int64)
         except MemoryError:  # cache and staging: twice the buffer's bytes of address space
             gib = 2 * batch * layout.max_seq * layout.bytes_per_token() / 2**30
-            raise EngineError(f"the KV buffer for {batch} sequences of max_seq={layout.max_seq} tokens needs "
-                              f"{gib:.1f} GiB, more than this machine can map: use a smaller batch or re-export "
-                              "the engine with a smaller --max-seq") from None
-        self.length = 0
+            raise EngineError(f"the KV buffer for {batch} sequences of max_seq={layout.max_seq} tokens "
+                              f"needs {gib:.1f} GiB, more than this machine can map: use a smaller batch "
+                              "or re-export the engine with a smaller --max-seq") from None
         self._staged: tuple[int, int] | None = None    # (batch, rows) laid out as a past in staging
         self._handed: list[np.ndarray] | None = None   # the views present() gave out last
         self._handed_cache = False                     # ... and whether they are the cache's own rows
 
-    @property
-    def batch(self) -> int:
-        return self.data.shape[2]
-
-    def reset(self) -> None:
-        self.length = 0
-        self.mask[:] = 0
-        self._staged = self._handed = None
-
     def truncate(self, length: int) -> None:
-        """Forget rows ``length``.. (a chat's next turn keeps the rows its tokens share with the cache)."""
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
-        self.mask[:, length:] = 0
+        super().truncate(length)
         self._staged = self._handed = None
 
     def _views(self, batch: int, offset_rows: int, rows: int) -> list[np.ndarray]:
@@ -82,7 +72,8 @@ class KVBuffer:
 
     def _cache_views(self, start: int, end: int) -> list[np.ndarray]:
         """[1, 1, end-start, D] views of cache rows start..end-1 (contiguous when ``in_place(1)``)."""
-        return [self.data[index // 2, index % 2, :1, :, start:end, :] for index in range(2 * self.layout.num_layers)]
+        return [self.data[index // 2, index % 2, :1, :, start:end, :]
+                for index in range(2 * self.layout.num_layers)]
 
     def past(self, batch: int) -> list[np.ndarray]:
         """Rows 0..length-1 of the first ``batch`` sequences as contiguous arrays, in the graph inputs'
@@ -111,19 +102,14 @@ class KVBuffer:
         return self._handed
 
     def shared(self, batch: int, steps: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(what a buffer-sharing graph binds as both its past and its present: the first ``batch`` sequences'
-        [batch, H_kv, max_seq, D] cache rows of every layer; the [batch, H_kv, steps, D] views of the rows it
-        writes, to pass to ``write``, which then copies nothing)."""
+        """What a buffer-sharing graph binds: (as both its past and its present, the first ``batch``
+        sequences' [batch, H_kv, max_seq, D] cache rows of every layer; the [batch, H_kv, steps, D] views
+        of the rows it writes, to pass to ``write``, which then copies nothing)."""
         self._check_room(steps)
         end = self.length + steps
         whole = [self.data[index // 2, index % 2, :batch] for index in range(2 * self.layout.num_layers)]
         self._handed, self._handed_cache = [rows[:, :, self.length:end] for rows in whole], True
         return whole, self._handed
-
-    def _check_room(self, steps: int) -> None:
-        if self.length + steps > self.layout.max_seq:
-            raise InputError(f"KV buffer full: {self.length + steps} tokens exceed max_seq={self.layout.max_seq}: "
-                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
 
     def write(self, present: list[np.ndarray], new_mask: np.ndarray) -> None:
         """Store the rows a step produced: present[2l + kind] is [B, H_kv, T, D]; new_mask is [B, T]."""
@@ -137,9 +123,4 @@ class KVBuffer:
         # From an empty cache, rows a graph wrote into staging are laid out there exactly as the next past.
         self._staged = (batch, end) if handed and not self._handed_cache and self.length == 0 else None
         self._handed = None
-        self.mask[:batch, self.length:end] = new_mask
-        self.length = end
-
-    def attention_mask(self, batch: int, new_mask: np.ndarray) -> np.ndarray:
-        """[B, past+T]: the cached rows' mask followed by the new tokens'."""
-        return np.concatenate([self.mask[:batch, : self.length], new_mask], axis=1)
+        self._advance(new_mask)

@@ -22,8 +22,9 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import ConfigError, InputError
-from .generate import Sampler, SamplingConfig, StopChecker, StopStrings
-from .kvbuffer import KVBuffer
+from ..threshold import ALWAYS_POP, is_token_count
+from .kvstore import KVStore
+from .sampling import Sampler, SamplingConfig, StopChecker, StopStrings
 from .tokenizer import EngineTokenizer, StreamDecoder
 
 RunGraph = Callable[[str, dict[str, np.ndarray]], list[np.ndarray]]
@@ -33,13 +34,14 @@ MODES = ("pop", "full")
 
 @runtime_checkable
 class Backend(Protocol):
-    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
+    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVStore) -> StepOutputs:
         """Run ``graph`` on ``feeds`` (input_ids and position_ids [B, T], attention_mask [B, past+T]) with
         rows 0..buffer.length-1 of the first B sequences as the past.
 
         Returns (logits [B, V] of the last position for a graph that has them, else None; the new rows,
-        2L arrays [B, H_kv, T, D] in the order k0, v0, k1, ...). The loop passes the rows to ``buffer.write`` before the next call, so
-        they may be views into ``buffer.present(B, T)``; the backend never writes the cache itself."""
+        2L arrays [B, H_kv, T, D] in the order k0, v0, k1, ...). The loop passes the rows to
+        ``buffer.write`` before the next call, so they may be views into ``buffer.present(B, T)``; the
+        backend never writes the cache itself."""
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,14 @@ class HostBackend:
 
     run_graph: RunGraph
     logits_graphs: frozenset[str] = frozenset({"decode"})  # graphs whose first output is logits
-    shared_kv: frozenset[str] = frozenset()  # graphs whose presents are past + new rows (manifest attention.shared_kv)
+    # graphs whose presents are past + new rows (manifest attention.shared_kv)
+    shared_kv: frozenset[str] = frozenset()
 
-    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVBuffer) -> StepOutputs:
+    def run(self, graph: str, feeds: dict[str, np.ndarray], buffer: KVStore) -> StepOutputs:
         past = buffer.past(feeds["input_ids"].shape[0])
         outputs = self.run_graph(graph, {**feeds, **dict(zip(buffer.layout.past_names, past))})
         logits, present = (outputs[0], outputs[1:]) if graph in self.logits_graphs else (None, outputs)
-        if graph in self.shared_kv:  # given exactly the past rows, such a graph returns past + new: keep the new
+        if graph in self.shared_kv:  # given exactly the past rows, it returns past + new: keep the new
             present = [rows[:, :, buffer.length:] for rows in present]
         return logits, list(present)
 
@@ -69,8 +72,8 @@ class GenerationResult:
     ttft_s: float
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
-    prefill: str = "pop"        # what ran: "pop", or "full" for mode="full" and prompts below min_prompt_tokens
-    cached_tokens: int = 0      # prompt tokens whose rows an earlier chat turn left in the cache (not prefilled)
+    prefill: str = "pop"        # what ran: "pop", or "full" (mode="full", prompts below min_prompt_tokens)
+    cached_tokens: int = 0      # prompt tokens whose rows an earlier chat turn left cached (not prefilled)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,7 +102,8 @@ def prompt_ids(tokenizer: EngineTokenizer, prompts: str | list[str] | list[list[
     InputError for anything else: a batch that is not a non-empty list, ids that are not integers in
     0..vocab-1 (a negative id would wrap, a float truncate, a large one fail inside the runtime)."""
     if chat is not None and not isinstance(chat, bool):
-        raise ConfigError(f"chat={chat!r} must be True, False or None (None: the chat template when there is one)")
+        raise ConfigError(f"chat={chat!r} must be True, False or None "
+                          "(None: the chat template when there is one)")
     batch = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(batch, (list, tuple)) or not batch:
         raise InputError(f"prompts must be a string, or a non-empty list of strings or of token id lists; "
@@ -119,7 +123,7 @@ def prompt_ids(tokenizer: EngineTokenizer, prompts: str | list[str] | list[list[
 
 
 def token_ids(prompt: object, row: int, vocab: int) -> list[int]:
-    """Prompt ``row`` given as token ids (a list, tuple or 1-D integer array) -> a list of ints in 0..vocab-1."""
+    """Prompt ``row`` given as token ids (a list, tuple or 1-D integer array) -> ints in 0..vocab-1."""
     if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
@@ -144,7 +148,7 @@ def threshold(value: int | None, default: int) -> int:
     """The ``min_prompt_tokens`` to use: ``value`` when given (checked), else the engine's ``default``."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_token_count(value):
         raise ConfigError(f"min_prompt_tokens={value!r} must be an integer >= 0 (0: always POP)")
     return int(value)
 
@@ -169,13 +173,14 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
 class Generation:
     """One batch of prompts through the two graphs; ``run()`` returns one result per prompt."""
 
-    def __init__(self, backend: Backend | RunGraph, buffer: KVBuffer, tokenizer: EngineTokenizer,
+    def __init__(self, backend: Backend | RunGraph, buffer: KVStore, tokenizer: EngineTokenizer,
                  sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None,
-                 folded: bool = False, min_prompt_tokens: int = 0):
+                 folded: bool = False, min_prompt_tokens: int = ALWAYS_POP):
         if not isinstance(mode, str) or mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if on_text is not None and not callable(on_text):
-            raise ConfigError(f"on_text must be a function of one string (or None), got {type(on_text).__name__}")
+            raise ConfigError("on_text must be a function of one string (or None), "
+                              f"got {type(on_text).__name__}")
         self.folded = folded  # the prefill graph takes x_1..x_N and returns x_N's logits (manifest boundary)
         self.backend = backend if isinstance(backend, Backend) else HostBackend(
             backend, frozenset({"decode", "prefill"}) if folded else frozenset({"decode"}))
@@ -197,7 +202,8 @@ class Generation:
     def prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """ids [B, N] (left-padded, mask [B, N]) after the cached rows, on the schedule the module docstring
         gives for this generation's mode; the logits [B, V] predicting token N+1. Public: eval scores them."""
-        positions = self.buffer.length + np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # after the cached rows
+        # after the cached rows
+        positions = self.buffer.length + np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         if self.path == "pop" and self.folded and ids.shape[1] > 1:
             return self.step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
         split = ids.shape[1] - 1 if self.path == "pop" else 0

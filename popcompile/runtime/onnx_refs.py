@@ -42,7 +42,8 @@ class ExternalRef:
 
 
 def external_refs(data: bytes) -> list[ExternalRef]:
-    """Every external-data reference of the serialized ModelProto ``data``; ProtoError if it does not parse."""
+    """Every external-data reference of the serialized ModelProto ``data`` (ProtoError if it does not
+    parse)."""
     refs: list[ExternalRef] = []
     _walk(bytes(data), 0, len(data), "model", refs, 0)
     return refs

@@ -1,4 +1,4 @@
-"""PopSession: an engine folder run with ONNX Runtime (CPU by default, CUDA or TensorRT providers).
+"""OrtSession: an engine folder run with ONNX Runtime (CPU by default, CUDA or TensorRT providers).
 
 Both graphs run with IO binding (``BoundBackend``): the graph reads its past K/V from, and writes its
 new rows into, the session's KV buffer's staging area (runtime/kvbuffer.py), so onnxruntime neither
@@ -18,10 +18,9 @@ from ..engine.manifest import EngineManifest
 from ..engine.verify import HashCache, verify_folder
 from ..errors import ConfigError, EngineError, EnvironmentUnavailable
 from .kvbuffer import KVBuffer
-from .loop import HostBackend, StepOutputs, threshold
+from .loop import HostBackend, StepOutputs
 from .ort_load import check_external_data, check_signature, load_graph, vocab_size
 from .session import Session
-from .tokenizer import EngineTokenizer
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -38,7 +37,8 @@ def provider_list(provider: str) -> list[str]:
     if name not in ort.get_available_providers():
         raise EnvironmentUnavailable(
             f"provider {provider!r} ({name}) is not available in this onnxruntime build "
-            f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu for cuda/tensorrt")
+            f"(available: {', '.join(ort.get_available_providers())}); "
+            "install onnxruntime-gpu for cuda/tensorrt")
     return [name] if name == PROVIDERS["cpu"] else [name, PROVIDERS["cpu"]]
 
 
@@ -55,7 +55,8 @@ def check_precision(manifest: EngineManifest, provider: str) -> None:
         raise EngineError(
             f"this is a float16 engine and onnxruntime's {PROVIDERS.get(provider, provider)} has no float16 "
             f"kernels for most of its nodes (it casts to float32 around them and keeps float32 copies of the "
-            f"weights: no faster than float32): run it with --provider cuda, or export it with --dtype float32")
+            "weights: no faster than float32): run it with --provider cuda, or export it with "
+            "--dtype float32")
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -80,7 +81,8 @@ class BoundBackend:
     def __init__(self, sessions: dict[str, ort.InferenceSession], layout: KVLayout,
                  shared_kv: frozenset[str] = frozenset()):
         self.sessions, self.layout = sessions, layout
-        self.shared_kv = shared_kv  # graphs that read and write the buffer in place (manifest attention.shared_kv)
+        # graphs that read and write the buffer in place (manifest attention.shared_kv)
+        self.shared_kv = shared_kv
         self.logits_graphs = {name for name, s in sessions.items() if s.get_outputs()[0].name == "logits"}
         logits = sessions["decode"].get_outputs()[0]
         self.logits_dtype = _NUMPY_TYPES[logits.type]
@@ -124,7 +126,8 @@ class BoundBackend:
         kept = self._kept.get(graph)
         if kept is None or kept[0] != key:
             binding = session.io_binding()
-            for past_name, present_name, rows in zip(self.layout.past_names, self.layout.present_names, whole):
+            names = zip(self.layout.past_names, self.layout.present_names)
+            for (past_name, present_name), rows in zip(names, whole):
                 value = ort.OrtValue.ortvalue_from_numpy(rows)
                 binding.bind_ortvalue_input(past_name, value)
                 binding.bind_ortvalue_output(present_name, value)
@@ -142,9 +145,9 @@ class BoundBackend:
 
 
 def _shrink_arena_options(session: ort.InferenceSession) -> ort.RunOptions | None:
-    """Run options that hand the CPU arena's free chunks back after a run: a prefill of thousands of tokens
-    grows the arena by hundreds of MB, and decode steps that then run inside the fragmented arena were 1.3-1.6x
-    slower (docs/benchmarks.md). None on other providers (not measured there)."""
+    """Run options that hand the CPU arena's free chunks back after a run: a prefill of thousands of
+    tokens grows the arena by hundreds of MB, and decode steps that then run inside the fragmented arena
+    were 1.3-1.6x slower (docs/benchmarks.md). None on other providers (not measured there)."""
     if session.get_providers()[0] != "CPUExecutionProvider":
         return None
     options = ort.RunOptions()
@@ -152,9 +155,9 @@ def _shrink_arena_options(session: ort.InferenceSession) -> ort.RunOptions | Non
     return options
 
 
-class PopSession(Session):
+class OrtSession(Session):
     """Load an engine folder once; ``generate`` many times. The KV buffer is allocated once per
-    session (and again only for a larger batch than any before).
+    session (and again only for a larger batch than any before). ``PopSession``: its deprecated name.
 
     ``io_binding=False`` runs the graphs with plain ``InferenceSession.run`` (past rows copied into
     the feeds, outputs allocated by onnxruntime): kept for measurements (benchmarks/ttft.py).
@@ -165,12 +168,10 @@ class PopSession(Session):
     data and their inputs/outputs against kv_layout. Any failure is an EngineError naming the file."""
 
     def __init__(self, folder: str | Path, *, provider: str = "cpu", threads: int | None = None,
-                 io_binding: bool = True, min_prompt_tokens: int | None = None, hash_cache: HashCache | None = None):
-        self.manifest = EngineManifest.read(folder)
-        self.folder = Path(folder)
-        self.layout = self.manifest.kv_layout
-        # prompts shorter than this prefill in full; None: the engine's (manifest), 0: always POP
-        self.min_prompt_tokens = threshold(min_prompt_tokens, self.manifest.min_prompt_tokens)
+                 io_binding: bool = True, min_prompt_tokens: int | None = None,
+                 hash_cache: HashCache | None = None):
+        # min_prompt_tokens: shorter prompts prefill in full; None: the manifest's, 0: always POP
+        self._read_manifest(folder, min_prompt_tokens)
         providers = provider_list(provider)
         check_precision(self.manifest, provider)
         options = session_options(threads)
@@ -184,9 +185,7 @@ class PopSession(Session):
         shared = frozenset(g for g in self.sessions if self.manifest.shares_kv(g))
         self.backend = BoundBackend(self.sessions, self.layout, shared) if io_binding else HostBackend(
             self._run, frozenset(g for g in self.sessions if self.manifest.has_logits(g)), shared)
-        self.tokenizer = EngineTokenizer.from_folder(self.folder)
-        # token ids a prompt may hold: the graphs' vocabulary (the embedding rows), else the tokenizer's
-        self.vocab = vocab_size(self.sessions["decode"]) or self.tokenizer.vocab_size
+        self._read_tokenizer(vocab_size(self.sessions["decode"]))
         self.buffer: KVBuffer | None = None
         self.allocations = 0
 
@@ -195,7 +194,8 @@ class PopSession(Session):
             check_signature(self.folder, name, session, self.manifest)
         kv = self.layout.past_names
         if signature(self.sessions["prefill"], kv) != signature(self.sessions["decode"], kv):
-            raise EngineError(f"{self.folder}: prefill and decode graphs declare different KV inputs: re-export")
+            raise EngineError(f"{self.folder}: prefill and decode graphs declare different KV inputs: "
+                              "re-export")
 
     def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.sessions[graph].run(None, feeds)
@@ -208,3 +208,7 @@ class PopSession(Session):
 
     def _graphs(self, batch: int) -> tuple[BoundBackend | HostBackend, KVBuffer]:
         return self.backend, self._buffer(batch)
+
+
+#: the earlier name of OrtSession (deprecated): the same class, kept for existing callers
+PopSession = OrtSession

@@ -1,9 +1,11 @@
 """Loading an engine folder's graphs into onnxruntime, every failure an EngineError naming the file.
 
-    verify_folder (verify.py)   both graphs and the weights inside the folder, sizes and sha256 as the manifest says
+    verify_folder (verify.py)   both graphs and the weights inside the folder, sizes and sha256 as the
+                                manifest says
     check_external_data         every initializer stored outside a graph is in the manifest's weights file
     load_graph                  onnxruntime's own failures (a graph that does not parse or type-check)
-    check_signature             the graph's inputs and outputs: names, element types and the KV dims of kv_layout
+    check_signature             the graph's inputs and outputs: names, element types and the KV dims of
+                                kv_layout
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def check_external_data(folder: Path, graph: Path, weights: dict) -> None:
     try:
         refs = external_refs(graph.read_bytes())
     except (ProtoError, RecursionError) as err:
-        raise EngineError(f"{folder}: {graph.name} is not a readable ONNX file ({err}): {RE_EXPORT}") from None
+        raise EngineError(f"{folder}: {graph.name} is not a readable ONNX file ({err}): "
+                          f"{RE_EXPORT}") from None
     for ref in refs:
         if ref.location != weights["file"]:
             raise EngineError(f"{folder}: {graph.name} reads tensor data from {ref.location!r}, not from the "
@@ -74,8 +77,9 @@ def check_signature(folder: Path, name: str, session: ort.InferenceSession, mani
                 and shape[3] == layout.head_dim
             want = f"{kv_type}[batch, {layout.num_kv_heads}, rows, {layout.head_dim}] (kv_layout)"
         if not ok:
-            raise EngineError(f"{folder}: {file} declares {arg.name} as {arg.type}{shape}, the manifest says {want}: "
-                              f"the manifest does not describe this graph, {RE_EXPORT}")
+            raise EngineError(f"{folder}: {file} declares {arg.name} as {arg.type}{shape}, "
+                              f"the manifest says {want}: the manifest does not describe this graph, "
+                              f"{RE_EXPORT}")
 
 
 def vocab_size(session: ort.InferenceSession) -> int | None:

@@ -10,37 +10,70 @@
 for ``mode`` (pop: the prefill graph, folded or separate boundary; full: the decode graph) but always
 prunes in pop: it is the primitive under ``min_prompt_tokens``, which only ``generate`` applies.
 
-A runtime subclasses ``Session`` and sets, in its ``__init__``: ``folder``, ``manifest``, ``layout``,
-``tokenizer``, ``vocab`` (token ids a prompt may hold), ``min_prompt_tokens``; and implements
-``_graphs(batch) -> (backend, buffer)``: what ``loop.Generation`` runs graphs with (a ``loop.Backend``
-or a graph runner) and the KV buffer for ``batch`` rows (InputError when the runtime cannot take them).
+A runtime subclasses ``Session``. Its ``__init__`` runs the one setup, in two steps around loading its
+own graphs (so a bad option or manifest fails before any graph is read, and the tokenizer is read last):
+
+    self._read_manifest(folder, min_prompt_tokens)   folder, manifest, layout, min_prompt_tokens
+    ... the runtime's graphs ...
+    self._read_tokenizer(vocab)                      tokenizer, vocab (the graphs' rows, else the tokenizer's)
+
+and it implements ``_graphs(batch) -> (backend, store)``: what ``loop.Generation`` runs graphs with (a
+``loop.Backend`` or a graph runner) and the ``KVStore`` (kvstore.py) for ``batch`` rows (InputError when
+the runtime cannot take them).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from ..engine.kv import KVLayout
+from ..engine.manifest import EngineManifest
 from ..errors import InputError
+from ..threshold import ALWAYS_POP
 from .chat import History, chat_prompt_ids
 from .defaults import engine_sampling
-from .generate import SamplingConfig
+from .kvstore import KVStore
 from .loop import Generation, GenerationResult, TextPiece, encode_prompt, prompt_ids, threshold
+from .sampling import SamplingConfig
+from .tokenizer import EngineTokenizer
 
 
 class Session:
-    """Shared by PopSession (onnxruntime) and TrtSession (TensorRT); see the module docstring."""
+    """Shared by OrtSession (onnxruntime) and TrtSession (TensorRT); see the module docstring."""
 
-    _live: Generation | None = None  # the prefill/step sequence in progress
-    _history: History | None = None  # what the buffer holds of a chat (chat.py)
+    folder: Path
+    manifest: EngineManifest
+    layout: KVLayout                  # the manifest's kv_layout
+    min_prompt_tokens: int            # prompts shorter than this prefill in full (0: always POP)
+    tokenizer: EngineTokenizer
+    vocab: int                        # token ids a prompt may hold: 0..vocab-1
+    _live: Generation | None = None   # the prefill/step sequence in progress
+    _history: History | None = None   # what the buffer holds of a chat (chat.py)
 
-    def _graphs(self, batch: int) -> tuple[Any, Any]:
+    def _read_manifest(self, folder: str | Path, min_prompt_tokens: int | None = None) -> None:
+        """Setup, step 1: read and check the folder's manifest; ``min_prompt_tokens`` is the caller's
+        override (checked: an integer >= 0) or, None, the manifest's."""
+        self.manifest = EngineManifest.read(folder)
+        self.folder = Path(folder)
+        self.layout = self.manifest.kv_layout
+        self.min_prompt_tokens = threshold(min_prompt_tokens, self.manifest.min_prompt_tokens)
+
+    def _read_tokenizer(self, vocab: int | None) -> None:
+        """Setup, step 2: the folder's tokenizer files; ``vocab``, the graphs' embedding rows when they
+        declare them, else the tokenizer's size."""
+        self.tokenizer = EngineTokenizer.from_folder(self.folder)
+        self.vocab = vocab or self.tokenizer.vocab_size
+
+    def _graphs(self, batch: int) -> tuple[Any, KVStore]:
         raise NotImplementedError
 
     def _generation(self, batch: int, sampling: SamplingConfig, mode: str,
-                    on_text: Callable[[str], None] | None = None, min_prompt_tokens: int = 0) -> Generation:
+                    on_text: Callable[[str], None] | None = None,
+                    min_prompt_tokens: int = ALWAYS_POP) -> Generation:
         backend, buffer = self._graphs(batch)
         return Generation(backend, buffer, self.tokenizer, sampling, mode, on_text,
                           folded=self.manifest.boundary == "folded", min_prompt_tokens=min_prompt_tokens)
@@ -56,11 +89,12 @@ class Session:
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, or token id lists used as they are).
 
-        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least ``min_prompt_tokens``
-        tokens (default: the session's, from the manifest), else in full; each result's ``prefill`` says which.
-        ``sampling``: a SamplingConfig is used as given; None or a dict of its fields decodes as the engine's
-        generation_config.json says, under the dict's values (runtime/defaults.py). ``on_text(piece)`` gets each
-        prompt's new text as it decodes (``piece.row``: which prompt; see ``stream``)."""
+        ``mode="pop"`` prefills with POP when the batch's shortest prompt has at least
+        ``min_prompt_tokens`` tokens (default: the session's, from the manifest), else in full; each
+        result's ``prefill`` says which. ``sampling``: a SamplingConfig is used as given; None or a dict of
+        its fields decodes as the engine's generation_config.json says, under the dict's values
+        (runtime/defaults.py). ``on_text(piece)`` gets each prompt's new text as it decodes (``piece.row``:
+        which prompt; see ``stream``)."""
         generation, ids = self._prepared(prompts, sampling, mode, chat, on_text, min_prompt_tokens)
         return generation.run(ids)
 
@@ -79,7 +113,8 @@ class Session:
         return generation.stream(ids)
 
     def chat(self, messages: list[dict], sampling: SamplingConfig | None = None, *, mode: str = "pop",
-             on_text: Callable[[str], None] | None = None, min_prompt_tokens: int | None = None) -> GenerationResult:
+             on_text: Callable[[str], None] | None = None,
+             min_prompt_tokens: int | None = None) -> GenerationResult:
         """One turn of a conversation: ``messages`` (the whole conversation so far, ending with the user's
         turn) through the chat template; returns the reply. The cache keeps the rows of earlier turns
         that the new prompt starts with, and only the rest is prefilled (POP, its last token through the
@@ -87,17 +122,20 @@ class Session:
 
             messages = [{"role": "user", "content": "Name a prime."}]
             reply = session.chat(messages)
-            messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Another?"}]
+            messages += [{"role": "assistant", "content": reply.text},
+                         {"role": "user", "content": "Another?"}]
             reply = session.chat(messages)      # prefills the new tokens only
 
-        ``generate``, ``stream`` and ``prefill`` start from an empty cache and end the conversation's reuse."""
+        ``generate``, ``stream`` and ``prefill`` start from an empty cache and end the conversation's
+        reuse."""
         ids = chat_prompt_ids(self.tokenizer, messages, self.layout.max_seq)
         self._live = None
         generation = self._generation(1, self._sampling(sampling), mode, on_text,
                                       threshold(min_prompt_tokens, self.min_prompt_tokens))
         kept = self._history.keep_for(ids, generation.buffer) if self._history is not None else 0
         result = generation.run([ids[kept:]], resume=kept > 0)[0]
-        self._history = History(generation.buffer, ids[:kept] + result.prompt_token_ids + result.token_ids[:-1])
+        cached = ids[:kept] + result.prompt_token_ids + result.token_ids[:-1]
+        self._history = History(generation.buffer, cached)
         assert len(self._history.ids) == generation.buffer.length  # the last reply token never ran
         return dataclasses.replace(result, prompt_token_ids=ids, cached_tokens=kept)
 
@@ -111,16 +149,18 @@ class Session:
         return generation, ids
 
     def _sampling(self, sampling) -> SamplingConfig:
-        """The SamplingConfig a call decodes with (runtime/defaults.py: the engine's generation_config.json)."""
-        return engine_sampling(self.tokenizer.generation_config, sampling, str(self.folder / "generation_config.json"))
+        """The SamplingConfig a call decodes with (runtime/defaults.py: over the engine's
+        generation_config.json)."""
+        origin = str(self.folder / "generation_config.json")
+        return engine_sampling(self.tokenizer.generation_config, sampling, origin)
 
     def prefill(self, ids: np.ndarray, mode: str = "pop") -> np.ndarray:
         """``ids`` [B, N] (no padding) from an empty cache on ``mode``'s schedule, pop always pruned; the
         logits [B, V] predicting token N+1. Starts a sequence that ``step`` continues."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[1] > self.layout.max_seq:
-            raise InputError(f"prefill takes token ids [batch, N] with 1 <= N <= max_seq={self.layout.max_seq}, "
-                             f"got shape {ids.shape}")
+            raise InputError("prefill takes token ids [batch, N] with 1 <= N <= "
+                             f"max_seq={self.layout.max_seq}, got shape {ids.shape}")
         self._history = None
         self._live = self._generation(ids.shape[0], SamplingConfig(), mode)
         self._live.buffer.reset()

@@ -155,7 +155,8 @@ class EngineTokenizer:
         ids = value if isinstance(value, list) else [value]
         if not all(type(i) is int and 0 <= i < self.vocab_size for i in ids):
             raise EngineError(f"{self._generation_origin}: {key} must be a token id or a list of token ids "
-                              f"in [0, {self.vocab_size}), got {value!r}: fix the file or re-export the engine")
+                              f"in [0, {self.vocab_size}), got {value!r}: fix the file or re-export the "
+                              "engine")
         return list(ids)
 
     # ---------------------------------------------------------- encode / decode

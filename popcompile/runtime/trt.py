@@ -1,7 +1,8 @@
 """TrtSession: an engine folder run with TensorRT; one KV buffer in device memory serves both engines.
 
-Same ``generate()`` as ``runtime.ort.PopSession``, through the same loop (``runtime.loop.Generation``):
-``DeviceKV`` takes the host KVBuffer's place and ``TrtSession._run`` the graph runner. Device memory::
+Same ``generate()`` as ``runtime.ort.OrtSession``, through the same loop (``runtime.loop.Generation``):
+``DeviceKV`` is the KVStore (runtime/kvstore.py) in the host KVBuffer's place and ``TrtSession._run`` the
+graph runner. Device memory::
 
     KV buffer   [layers, 2, max_batch, kv_heads, R, head_dim]   R = 1 + max_seq, allocated once
                  row 0 sentinel (zeros, masked), row 1 + t = cache position t (exporters/tensorrt.py)
@@ -20,12 +21,13 @@ An engine input ``past_key_values.{i}`` is [B, H, P, D], contiguous. Rows 0..P-1
              measured in cache rows, and the graph sees the new token at row R, not at its own
     gather   past rows copied into contiguous scratch on the device (one 2D copy per tensor)
 
-and the present rows [B, H, T, D] go to scratch and are copied into rows 1 + past..  by ``DeviceKV.write``
-(one 2D copy per tensor) unless bound in place. Prompt steps read only the sentinel: a zero block.
+and the present rows [B, H, T, D] go to scratch and are copied into rows 1 + past..  by
+``DeviceKV.write`` (one 2D copy per tensor) unless bound in place. Prompt steps read only the sentinel:
+a zero block.
 
-Device memory and the stream come from cuda-python (``cuda.bindings.runtime``): the runtime imports
-no torch (a deployed engine folder needs none, as with runtime/ort.py), the pairing TensorRT's own samples use. ``tensorrt`` and ``cuda`` are imported
-only when a session is made.
+Device memory and the stream come from cuda-python (``cuda.bindings.runtime``), the pairing TensorRT's
+own samples use: the runtime imports no torch (a deployed engine folder needs none, as with
+runtime/ort.py). ``tensorrt`` and ``cuda`` are imported only when a session is made.
 """
 from __future__ import annotations
 
@@ -35,12 +37,12 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from ..engine.manifest import EngineManifest, is_file_name
+from ..engine.manifest import is_file_name
 from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_section, is_count, require_gpu
 from ..engine.verify import HashCache, verify_file
 from ..errors import ConfigError, EngineError, InputError
+from .kvstore import KVBookkeeping
 from .session import Session
-from .tokenizer import EngineTokenizer
 
 KV_BINDINGS = ("auto", "static", "gather")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -86,72 +88,49 @@ class Rows:
     in_place: bool
 
 
-class DeviceKV:
-    """The session's KV buffer on the device; what runtime.loop.Generation uses of runtime.kvbuffer.KVBuffer
-    (``reset``, ``truncate``, ``past``, ``write``, ``attention_mask``, ``length``, ``layout``, ``batch``)."""
+class DeviceKV(KVBookkeeping):
+    """The session's KVStore in device memory: [layers, 2, batch, kv_heads, sentinel + max_seq, head_dim]
+    (``past`` hands out Rows handles: the runner binds or gathers the rows itself)."""
 
     def __init__(self, layout, batch: int, itemsize: int, device: Device, sentinel: int = 1):
-        self.layout, self.device, self.sentinel = layout, device, sentinel
+        super().__init__(layout, batch)
+        self.device, self.sentinel = device, sentinel
         self.rows = layout.max_seq + sentinel
         self.row_bytes = layout.head_dim * itemsize
         self.block = batch * layout.num_kv_heads * self.rows * self.row_bytes   # one (layer, kind)
         self.base = device.alloc(2 * layout.num_layers * self.block)
-        device.zero(self.base, 2 * layout.num_layers * self.block)  # unwritten rows stay finite (masked, times 0)
-        self.mask = np.zeros((batch, layout.max_seq), dtype=np.int64)
-        self.length = 0
-
-    @property
-    def batch(self) -> int:
-        return self.mask.shape[0]
+        # unwritten rows stay finite (masked, times 0)
+        device.zero(self.base, 2 * layout.num_layers * self.block)
 
     def address(self, index: int, row: int = 0) -> int:
         return self.base + index * self.block + row * self.row_bytes
-
-    def reset(self) -> None:
-        self.length = 0
-        self.mask[:] = 0
-
-    def truncate(self, length: int) -> None:
-        """Forget rows ``length``.. (as KVBuffer.truncate; the rows stay on the device, masked and overwritten)."""
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
-        self.mask[:, length:] = 0
 
     def past(self, batch: int) -> list[Rows]:
         """Handles, not data: the runner binds or gathers the rows (0..sentinel+length-1) itself."""
         return [Rows(i, self.address(i), True) for i in range(2 * self.layout.num_layers)]
 
-    def attention_mask(self, batch: int, new_mask: np.ndarray) -> np.ndarray:
-        """[B, sentinel + length + T]: 0 for the sentinel, the cached rows' mask, the new tokens'."""
-        return np.concatenate([np.zeros((batch, self.sentinel), np.int64), self.mask[:batch, : self.length],
-                               new_mask.astype(np.int64)], axis=1)
-
     def write(self, present: list[Rows], new_mask: np.ndarray) -> None:
         """Store a step's rows [B, H, T, D] at rows sentinel + length..; new_mask is [B, T]."""
         batch, steps = new_mask.shape
-        end = self.length + steps
-        if end > self.layout.max_seq:
-            raise InputError(f"KV buffer full: {end} tokens exceed max_seq={self.layout.max_seq}: "
-                             "give a shorter prompt or fewer new tokens, or re-export with a larger --max-seq")
-        width = steps * self.row_bytes
+        self._check_room(steps)
+        width, pitch = steps * self.row_bytes, self.rows * self.row_bytes
         for rows in present:
             if not rows.in_place:
-                self.device.copy2d(self.address(rows.index, self.sentinel + self.length), self.rows * self.row_bytes,
+                self.device.copy2d(self.address(rows.index, self.sentinel + self.length), pitch,
                                    rows.ptr, width, width, batch * self.layout.num_kv_heads)
-        self.mask[:batch, self.length:end] = new_mask
-        self.length = end
+        self._advance(new_mask)
 
 
 class TrtSession(Session):
-    """Load an engine folder's TensorRT plans once; ``generate`` many times (same interface as PopSession)."""
+    """Load an engine folder's TensorRT plans once; ``generate`` many times (same interface as OrtSession)."""
 
-    def __init__(self, folder: str | Path, *, device: int = 0, kv_binding: str = "auto", cuda_graph: bool = False,
+    def __init__(self, folder: str | Path, *, device: int = 0, kv_binding: str = "auto",
+                 cuda_graph: bool = False, min_prompt_tokens: int | None = None,
                  hash_cache: HashCache | None = None):
-        manifest = EngineManifest.read(folder)
-        folder = Path(folder)
-        section = TrtSection.from_manifest(manifest, folder)
-        check_section(folder, section)
-        plans = verify_plans(folder, section, hash_cache or HashCache.default())
+        self._read_manifest(folder, min_prompt_tokens)
+        section = TrtSection.from_manifest(self.manifest, self.folder)
+        check_section(self.folder, section)
+        plans = verify_plans(self.folder, section, hash_cache or HashCache.default())
         trt = import_tensorrt(section)
         cuda = CudaDevice(device)
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -159,30 +138,31 @@ class TrtSession(Session):
         engines = {name: _deserialize(self._trt_runtime, plans[name], section) for name in PLANS}
         contexts = make_contexts(trt, engines, section, cuda.stream)
         self._engines = engines  # contexts need their engines alive
-        self._setup(folder, manifest, section, contexts, engine_io(trt, engines["decode"]), cuda,
-                    kv_binding, cuda_graph)
+        self._setup(section, contexts, engine_io(trt, engines["decode"]), cuda, kv_binding, cuda_graph)
 
     @classmethod
-    def from_parts(cls, folder: str | Path, section: TrtSection, contexts: dict, io: EngineIO, device: Device, *,
-                   kv_binding: str = "auto", cuda_graph: bool = False) -> "TrtSession":
+    def from_parts(cls, folder: str | Path, section: TrtSection, contexts: dict, io: EngineIO,
+                   device: Device, *, kv_binding: str = "auto", cuda_graph: bool = False,
+                   min_prompt_tokens: int | None = None) -> TrtSession:
         """A session over given contexts and device (tests run the ONNX graphs behind emulated contexts)."""
         self = cls.__new__(cls)
-        self._setup(Path(folder), EngineManifest.read(folder), section, contexts, io, device, kv_binding, cuda_graph)
+        self._read_manifest(folder, min_prompt_tokens)
+        self._setup(section, contexts, io, device, kv_binding, cuda_graph)
         return self
 
-    def _setup(self, folder: Path, manifest: EngineManifest, section: TrtSection, contexts: dict, io: EngineIO,
-               device: Device, kv_binding: str, cuda_graph: bool) -> None:
-        self.folder, self.manifest, self.section = folder, manifest, section
-        self.layout, self.contexts, self.io, self.device = manifest.kv_layout, contexts, io, device
+    def _setup(self, section: TrtSection, contexts: dict, io: EngineIO, device: Device, kv_binding: str,
+               cuda_graph: bool) -> None:
+        """What __init__ and from_parts share once the manifest is read: the plans' contexts, the device
+        buffers, the tokenizer."""
+        self.section, self.contexts, self.io, self.device = section, contexts, io, device
         self.binding = resolve_binding(kv_binding, section, cuda_graph)
         wrong = {n: io.dtypes.get(n) for n in INPUTS if io.dtypes.get(n) != "int64"}
         if wrong:
-            raise EngineError(f"{folder}: engine inputs {wrong} are not int64 as the KV contract says: re-export")
+            raise EngineError(f"{self.folder}: engine inputs {wrong} are not int64 as the KV contract says: "
+                              "re-export")
         self.cuda_graph, self.graphs = cuda_graph, {}
-        self.tokenizer = EngineTokenizer.from_folder(folder)
-        self.vocab = io.vocab  # token ids a prompt may hold: the engine's embedding rows
         self.max_batch = section.max_batch
-        self.min_prompt_tokens = manifest.min_prompt_tokens
+        self._read_tokenizer(io.vocab)  # token ids a prompt may hold: the engine's embedding rows
         self._allocate()
 
     def _allocate(self) -> None:
@@ -203,12 +183,14 @@ class TrtSession(Session):
     # ----------------------------------------------------------------------------------------- one step
 
     def _run(self, graph: str, feeds: dict) -> list:
-        """Generation's graph runner: feeds as runtime.loop builds them, past entries being DeviceKV handles."""
+        """Generation's graph runner: feeds as runtime.loop builds them, past entries being DeviceKV
+        handles."""
         ids = feeds["input_ids"]
         batch, steps = ids.shape
         kind = "prefill" if graph == "prefill" else "step" if steps == 1 else "prompt"
         if kind != "step" and self.kv.length:
-            raise EngineError(f"the TensorRT {kind} profile covers an empty cache only (past = the sentinel row)")
+            raise EngineError(f"the TensorRT {kind} profile covers an empty cache only "
+                              "(past = the sentinel row)")
         static = kind == "step" and self.binding == "static"
         past = self.kv.rows if static else self.kv.sentinel + self.kv.length
         mask = self._static_mask(feeds["attention_mask"]) if static else feeds["attention_mask"]
@@ -250,7 +232,8 @@ class TrtSession(Session):
         return present
 
     def _past_address(self, index: int, batch: int, past: int, in_place: bool) -> int:
-        """Address of [B, H, past, D] contiguous rows 0..past-1 of tensor ``index`` (copying them if needed)."""
+        """Address of [B, H, past, D] contiguous rows 0..past-1 of tensor ``index`` (copied there if
+        needed)."""
         kv = self.kv
         heads = batch * self.layout.num_kv_heads
         per_row = self.max_batch * self.layout.num_kv_heads * kv.row_bytes
@@ -271,7 +254,8 @@ class TrtSession(Session):
         return out
 
     def _launch_graph(self, context: Context, batch: int) -> None:
-        """Static decode step: replay its CUDA graph, or run it once and capture it (shapes fixed per batch)."""
+        """Static decode step: replay its CUDA graph, or run it once and capture it (shapes fixed per
+        batch)."""
         if batch in self.graphs:
             self.device.replay(self.graphs[batch])
             return
@@ -304,11 +288,12 @@ def resolve_binding(kv_binding: str, section: TrtSection, cuda_graph: bool) -> s
         raise ConfigError(f"kv_binding must be one of {KV_BINDINGS}, got {kv_binding!r}")
     binding = section.decode_kv if kv_binding == "auto" else kv_binding
     if binding == "static" and section.decode_kv != "static":
-        raise ConfigError("static KV binding reads the whole buffer, which breaks sliding-window attention, and this "
-                         "model has sliding-window layers: use kv_binding='gather' (the default for it)")
+        raise ConfigError("static KV binding reads the whole buffer, which breaks sliding-window attention, "
+                          "and this model has sliding-window layers: use kv_binding='gather' (the default "
+                          "for it)")
     if cuda_graph and binding != "static":
-        raise ConfigError("a CUDA graph needs fixed shapes, i.e. the static KV binding, which this model cannot "
-                         "use (sliding-window layers): run without --cuda-graph")
+        raise ConfigError("a CUDA graph needs fixed shapes, i.e. the static KV binding, which this model "
+                          "cannot use (sliding-window layers): run without --cuda-graph")
     return binding
 
 
@@ -328,13 +313,15 @@ def verify_plans(folder: Path, section: TrtSection, cache: HashCache) -> dict[st
                 and isinstance(entry.get("sha256"), str)):
             raise EngineError(f"{folder}: the manifest's tensorrt.plans.{name} is malformed ({entry!r:.80}): "
                               f"run `popcompile build-trt {folder} --force`")
-        paths[name] = verify_file(folder, entry["file"], f"tensorrt.plans.{name}", entry["bytes"], entry["sha256"],
-                                  cache, fix=f"rebuild the plans with `popcompile build-trt {folder} --force`")
+        fix = f"rebuild the plans with `popcompile build-trt {folder} --force`"
+        paths[name] = verify_file(folder, entry["file"], f"tensorrt.plans.{name}", entry["bytes"],
+                                  entry["sha256"], cache, fix=fix)
     return paths
 
 
 def import_tensorrt(section: TrtSection):
-    """The tensorrt module, checked against the version the plans were built with (plans are version-bound)."""
+    """The tensorrt module, checked against the version the plans were built with (plans are
+    version-bound)."""
     require_gpu()
     try:
         import tensorrt
@@ -367,7 +354,8 @@ def make_contexts(trt, engines: dict, section: TrtSection, stream: int) -> dict:
             context = (engine.create_execution_context(strategy.ON_PROFILE_CHANGE) if strategy
                        else engine.create_execution_context())
             if context is None or not context.set_optimization_profile_async(index, stream):
-                raise EngineError(f"could not make a TensorRT context for profile {profile.name} (GPU memory?)")
+                raise EngineError(f"could not make a TensorRT context for profile {profile.name} "
+                                  "(GPU memory?)")
             contexts[profile.name] = context
     return contexts
 
@@ -397,7 +385,8 @@ def _cudart():
 
 
 class CudaDevice:
-    """Device memory, copies and CUDA graphs on one stream of GPU ``index``, with cuda-python's runtime API."""
+    """Device memory, copies and CUDA graphs on one stream of GPU ``index`` (cuda-python's runtime
+    API)."""
 
     def __init__(self, index: int = 0):
         self.rt = _cudart()

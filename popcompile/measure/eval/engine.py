@@ -35,7 +35,7 @@ import torch
 
 from ...engine.manifest import MANIFEST, engine_file
 from ...errors import ConfigError
-from ...runtime.generate import SamplingConfig
+from ...runtime.sampling import SamplingConfig
 from . import data as eval_data
 from .config import EvalConfig
 from .humaneval import humaneval_scores
@@ -54,14 +54,16 @@ def is_engine_folder(path: str | Path) -> bool:
 def engine_variant_names(variant_names: Iterable[str] | None, cut: int | None, prune_ratio: float | None,
                          do_sweep: bool) -> list[str]:
     """The variants to run on an engine (``full`` first); a one-line ConfigError for what needs the model."""
-    for flag, given in (("--sweep", do_sweep), ("--cut", cut is not None), ("--prune-ratio", prune_ratio is not None)):
+    for flag, given in (("--sweep", do_sweep), ("--cut", cut is not None),
+                        ("--prune-ratio", prune_ratio is not None)):
         if given:
             raise ConfigError(f"{flag} needs the model, and an engine folder holds one exported cut: "
                              "give the model's name or path instead")
     names = list(dict.fromkeys([BASELINE, *(ENGINE_VARIANTS if variant_names is None else variant_names)]))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        raise ConfigError(f"unknown variant(s) {', '.join(unknown)}: an engine folder runs {', '.join(ENGINE_VARIANTS)}")
+        raise ConfigError(f"unknown variant(s) {', '.join(unknown)}: an engine folder runs "
+                          f"{', '.join(ENGINE_VARIANTS)}")
     ablations = [n for n in names if n not in ENGINE_VARIANTS]
     if ablations:
         raise ConfigError(f"variant(s) {', '.join(ablations)} need the model (an engine folder runs only "
@@ -80,9 +82,10 @@ class EvalTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens)}
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True,
-                            return_dict: bool = False) -> str | list[int]:
-        """The rendered text, or (``tokenize=True``) its ids as ``run`` encodes a chat prompt (encode_chat)."""
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = True, return_dict: bool = False) -> str | list[int]:
+        """The rendered text, or (``tokenize=True``) its ids as ``run`` encodes a chat prompt
+        (encode_chat)."""
         assert not return_dict, "EvalTokenizer returns ids or text, not a BatchEncoding"
         if tokenize:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
@@ -116,7 +119,8 @@ class EngineRun:
         return self.session.cache_length
 
 
-def continuation_logits(run: EngineRun, prefix: np.ndarray, continuation: np.ndarray, mode: str) -> np.ndarray:
+def continuation_logits(run: EngineRun, prefix: np.ndarray, continuation: np.ndarray,
+                        mode: str) -> np.ndarray:
     """Teacher-forced logits [B, C, V] predicting ``continuation`` [B, C] after ``prefix`` [B, N] was
     prefilled in ``mode``: row 0 from the prefill, rows 1..C-1 from one-token decode steps (the decode
     graph returns the last position's logits only, so a C-token step would give one row)."""
@@ -150,8 +154,9 @@ def session_generate(session: Any, max_new_tokens: int) -> Callable[[str, list[i
 def _continuation_task(session: Any, tok: EvalTokenizer, names: list[str], limit: int | None, prefix_len: int,
                        cont_len: int, batch_size: int | None) -> dict:
     if prefix_len + cont_len - 1 > session.layout.max_seq:
-        raise ConfigError(f"--prefix-len {prefix_len} + --cont-len {cont_len} do not fit the engine's max length "
-                         f"{session.layout.max_seq}: shorten them or re-export with a larger --max-seq")
+        raise ConfigError(f"--prefix-len {prefix_len} + --cont-len {cont_len} do not fit the engine's "
+                          f"max length {session.layout.max_seq}: shorten them or re-export with a larger "
+                          "--max-seq")
     docs, skipped = eval_data.continuation_documents(tok, prefix_len, cont_len, limit)
     run = EngineRun(session)
     logits = lambda name, prefix, target: torch.from_numpy(
@@ -180,7 +185,8 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
         "kv_refit": name != "full" and bool(calibration)}
     return {
         "model": manifest.model.get("name"), "engine": str(folder), "provider": provider,
-        "model_type": manifest.model.get("model_type"), "num_layers": manifest.num_layers, "cut": manifest.cut,
+        "model_type": manifest.model.get("model_type"), "num_layers": manifest.num_layers,
+        "cut": manifest.cut,
         "kv_calibration": calibration, "engine_min_prompt_tokens": manifest.min_prompt_tokens,
         "prefix_len": prefix_len, "cont_len": cont_len,
         "speedup_bound": speedup_bound(config, prefix_len, manifest.cut),
@@ -188,7 +194,8 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
 
 
 def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
-    """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the results."""
+    """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the
+    results."""
     from ...runtime import open_session
 
     if "chat" in c.tasks:  # its pop-carried variant replays the full model's replies into a POP cache
@@ -210,8 +217,9 @@ def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
         problems = eval_data.humaneval_problems()[:c.limit]
         eos = session.tokenizer.eos_token_ids
         complete = lambda name, ids, stop: greedy(run, ids, ENGINE_VARIANTS[name], c.code_tokens, eos, stop)
-        t["humaneval"] = timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_scores(
-            complete, tok, problems, names, allow_code_exec=c.allow_code_exec, timeout=c.timeout,
-            prompt_format=c.code_prompt)})
+        t["humaneval"] = timed(lambda: {
+            "problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_scores(
+                complete, tok, problems, names, allow_code_exec=c.allow_code_exec, timeout=c.timeout,
+                prompt_format=c.code_prompt)})
     write_results(results, out, c.force)
     return results

@@ -72,11 +72,13 @@ _CHECKS = {
 
 
 def sampling_config(value: SamplingConfig | Mapping | None) -> SamplingConfig:
-    """What ``generate(..., sampling)`` takes: a SamplingConfig, a mapping of its fields, or None (defaults)."""
+    """What ``generate(..., sampling)`` takes: a SamplingConfig, a mapping of its fields, or None
+    (the defaults)."""
     if value is None or isinstance(value, SamplingConfig):
         return value or SamplingConfig()
     if not isinstance(value, Mapping):
-        raise ConfigError(f"sampling must be a SamplingConfig or a dict of its fields, got {type(value).__name__}")
+        raise ConfigError("sampling must be a SamplingConfig or a dict of its fields, "
+                          f"got {type(value).__name__}")
     known = [f.name for f in fields(SamplingConfig)]
     unknown = [key for key in value if key not in known]
     if unknown:
@@ -125,8 +127,8 @@ def softmax(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     peak = x.max(axis=-1, keepdims=True)
     if not np.isfinite(peak).all():
-        raise EngineError("every row of the engine's logits needs at least one finite value (float16 overflow?): "
-                          "export it with --dtype float32, or re-export it")
+        raise EngineError("every row of the engine's logits needs at least one finite value "
+                          "(float16 overflow?): export it with --dtype float32, or re-export it")
     e = np.exp(x - peak)
     return e / e.sum(axis=-1, keepdims=True)
 
