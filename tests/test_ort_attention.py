@@ -27,8 +27,8 @@ from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.arch import ARCHITECTURES
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 
 LAYERS, CUT = 4, 3
 # fp32, the same products summed in another order (GQA's kernel vs MatMul + Softmax): measured <= 3e-6 here
@@ -38,8 +38,8 @@ ATOL = 2e-5
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def graphs(request, tmp_path_factory) -> dict:
     """standard and fused sessions of both graphs of one tiny engine, and the fused forms per graph."""
-    folder = tiny_engine(request.param, tmp_path_factory.mktemp(request.param) / "engine", cut=CUT, max_seq=64,
-                         target=OnnxTarget(attention="standard"))
+    folder = tiny_engine(request.param, tmp_path_factory.mktemp(request.param) / "engine", cut=CUT,
+                         max_seq=64, target=OnnxTarget(attention="standard"))
     out = {"manifest": EngineManifest.read(folder), "forms": {}}
     for name in ("prefill", "decode"):
         proto = onnx.load(str(folder / f"{name}.onnx"))
@@ -53,7 +53,8 @@ def graphs(request, tmp_path_factory) -> dict:
         out["rotary_" + name] = fuse_rotary(fused)
         out[name]["proto"] = fused
     # as the exporter, across the graphs it writes: the shared decode graph and the prefill graph
-    out["packed"] = pack_projections({"decode": out["decode"]["shared_proto"], "prefill": out["prefill"]["proto"]})
+    out["packed"] = pack_projections({"decode": out["decode"]["shared_proto"],
+                                      "prefill": out["prefill"]["proto"]})
     out["packed_alone"] = pack_projections({"decode": out["decode"]["proto"]})  # no other graph to share with
     out["views"] = {(name, form): drop_round_trip_views(out[name][form])
                     for name, form in (("decode", "shared_proto"), ("decode", "proto"), ("prefill", "proto"))}
@@ -76,9 +77,11 @@ def _feeds(manifest: EngineManifest, batch: int, past: int, seq: int, pad: int =
     mask = np.ones((batch, past + seq), np.int64)
     mask[0, :pad] = 0
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, past:]
-    feeds = {"input_ids": rng.integers(3, 97, (batch, seq)), "position_ids": positions, "attention_mask": mask}
+    feeds = {"input_ids": rng.integers(3, 97, (batch, seq)), "position_ids": positions,
+             "attention_mask": mask}
     for name in layout.past_names:
-        feeds[name] = rng.standard_normal((batch, layout.num_kv_heads, past, layout.head_dim)).astype(np.float32)
+        rows = rng.standard_normal((batch, layout.num_kv_heads, past, layout.head_dim))
+        feeds[name] = rows.astype(np.float32)
     return feeds
 
 
@@ -96,7 +99,8 @@ def test_fused_graphs_equal_standard(graphs, graph, case):
     sessions = graphs[graph]
     names = [o.name for o in sessions["standard"].get_outputs()]
     assert names == [o.name for o in sessions["fused"].get_outputs()]  # the KV contract is untouched
-    for name, want, got in zip(names, sessions["standard"].run(None, feeds), sessions["fused"].run(None, feeds)):
+    wanted, got_all = sessions["standard"].run(None, feeds), sessions["fused"].run(None, feeds)
+    for name, want, got in zip(names, wanted, got_all):
         assert got.shape == want.shape, name
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=name)
 
@@ -119,20 +123,22 @@ def _bound_run(session: ort.InferenceSession, feeds: dict, buffer: np.ndarray, b
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_graph_reads_and_writes_the_kv_buffer_in_place(graphs, case):
-    """The shared decode graph (exporters/ort_shared_kv.py) bound to a max_seq buffer: the standard graph's logits
-    and new rows, written at past..past+T-1; rows before (the past) and after (never written: filled with 1e3
-    here, so a read of them would show) are left as they were."""
+    """The shared decode graph (exporters/ort_shared_kv.py) bound to a max_seq buffer: the standard graph's
+    logits and new rows, written at past..past+T-1; rows before (the past) and after (never written: filled
+    with 1e3 here, so a read of them would show) are left as they were."""
     batch, past, seq, pad = CASES[case]
     feeds, layout = _feeds(graphs["manifest"], *CASES[case]), graphs["manifest"].kv_layout
     want = graphs["decode"]["standard"].run(None, feeds)
-    buffer = np.full((LAYERS, 2, batch + 1, layout.num_kv_heads, layout.max_seq, layout.head_dim), 1e3, np.float32)
+    buffer = np.full((LAYERS, 2, batch + 1, layout.num_kv_heads, layout.max_seq, layout.head_dim), 1e3,
+                     np.float32)
     for index, name in enumerate(layout.past_names):
         buffer[index // 2, index % 2, :batch, :, :past] = feeds[name]
     before = buffer.copy()
     logits = _bound_run(graphs["decode"]["shared"], feeds, buffer, batch)
     np.testing.assert_allclose(logits, want[0], atol=ATOL, rtol=0)
     for index, rows in enumerate(want[1:]):
-        np.testing.assert_allclose(buffer[index // 2, index % 2, :batch, :, past:past + seq], rows, atol=ATOL, rtol=0)
+        written_rows = buffer[index // 2, index % 2, :batch, :, past:past + seq]
+        np.testing.assert_allclose(written_rows, rows, atol=ATOL, rtol=0)
     written = np.zeros(buffer.shape, bool)
     written[:, :, :batch, :, past:past + seq] = True
     np.testing.assert_array_equal(buffer[~written], before[~written])
@@ -153,8 +159,8 @@ def test_shared_decode_graph_given_exactly_the_past_returns_past_and_new_rows(gr
 
 
 def test_only_graphs_whose_every_layer_is_gqa_share_the_buffer(graphs):
-    """decode shares (its presents are declared [batch, kv_heads, present, head_dim]); the prefill graph's pruned
-    layers are MultiHeadAttention, so it keeps the new-rows contract and is left untouched."""
+    """decode shares (its presents are declared [batch, kv_heads, present, head_dim]); the prefill graph's
+    pruned layers are MultiHeadAttention, so it keeps the new-rows contract and is left untouched."""
     assert "shared" in graphs["decode"] and "shared" not in graphs["prefill"]
     outputs = {o.name: o.shape for o in graphs["decode"]["shared"].get_outputs()}
     assert outputs["present.0.key"][2] == PRESENT_DIM
@@ -174,27 +180,30 @@ def test_every_layer_takes_a_fused_form(graphs):
 
 
 def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share(graphs):
-    """q/k/v and gate/up are one MatMul each (exporters/ort_pack.py), and every packed weight the prefill graph
-    reads is one the decode graph reads too. The folded prefill's pruned layers read k/v over the prompt and q
-    over x_N alone: there both graphs pack [Wk|Wv] and keep Wq apart; a decode graph alone packs all three."""
+    """q/k/v and gate/up are one MatMul each (exporters/ort_pack.py), and every packed weight the prefill
+    graph reads is one the decode graph reads too. The folded prefill's pruned layers read k/v over the prompt
+    and q over x_N alone: there both graphs pack [Wk|Wv] and keep Wq apart; a decode graph alone packs all
+    three."""
     pruned = LAYERS - CUT
     assert graphs["packed"] == {"decode": 2 * LAYERS, "prefill": 2 * CUT + 2 * pruned}
     assert graphs["packed_alone"] == {"decode": 2 * LAYERS}
     matmuls = {name: Counter(n.op_type for n in graphs[name][proto].graph.node)["MatMul"]
                for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
-    assert matmuls["decode"] == 4 * LAYERS + pruned  # qkv, o, gate|up, down; q apart where the prefill needs it
+    # qkv, o, gate|up, down; q apart where the prefill needs it
+    assert matmuls["decode"] == 4 * LAYERS + pruned
     assert Counter(n.op_type for n in graphs["decode"]["proto"].graph.node)["MatMul"] == 4 * LAYERS
     contents = {name: {_content(t) for t in graphs[name][proto].graph.initializer if len(t.dims) == 2}
                 for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
-    packed = {_content(t) for t in graphs["prefill"]["proto"].graph.initializer if t.name.endswith("/weight") and t.name.startswith("pop_pack/")}
+    packed = {_content(t) for t in graphs["prefill"]["proto"].graph.initializer
+              if t.name.endswith("/weight") and t.name.startswith("pop_pack/")}
     assert packed and packed <= contents["decode"]
 
 
 def test_views_that_end_where_they_began_are_gone(graphs):
     """The exporter's head views around the fused ops ([B,S,H*D] -> [B,S,H,D] -> [B,S,H*D], and v's two
-    Transposes) are removed (exporters/ort_views.py). The shared decode graph keeps no Transpose, and a Reshape
-    only where an op reads the head view (Gemma 3's per-head q/k norm) or for RotaryEmbedding's caches (the
-    graph that is not shared keeps its presents' [B,H,S,D] views)."""
+    Transposes) are removed (exporters/ort_views.py). The shared decode graph keeps no Transpose, and a
+    Reshape only where an op reads the head view (Gemma 3's per-head q/k norm) or for RotaryEmbedding's caches
+    (the graph that is not shared keeps its presents' [B,H,S,D] views)."""
     assert min(graphs["views"][("decode", form)] for form in ("shared_proto", "proto")) >= 5 * LAYERS
     assert graphs["views"][("prefill", "proto")] >= 5 * CUT
     nodes = graphs["decode"]["shared_proto"].graph.node
@@ -202,7 +211,8 @@ def test_views_that_end_where_they_began_are_gone(graphs):
     readers = {name: [n.op_type for n in nodes if name in n.input] for node in nodes for name in node.output}
     assert Counter(node.op_type for node in nodes)["Transpose"] == 0
     for node in nodes:
-        if node.op_type == "Reshape" and not node.output[0].startswith(("pop_rope/cache/", "pop_rope/positions/")):
+        caches = ("pop_rope/cache/", "pop_rope/positions/")
+        if node.op_type == "Reshape" and not node.output[0].startswith(caches):
             near = {producer[node.input[0]].op_type, *readers[node.output[0]]}
             assert "SimplifiedLayerNormalization" in near, (node.name, near)
 
@@ -212,8 +222,9 @@ def _content(tensor: onnx.TensorProto) -> bytes:
 
 
 def test_rope_becomes_rotary_embedding_on_the_token_rows(graphs):
-    """Every query's and key's rotation is one RotaryEmbedding (exporters/ort_rotary.py), in both graphs: no
-    rotate-half ops are left, and in the decode graphs q and k reach GroupQueryAttention without a Transpose."""
+    """Every query's and key's rotation is one RotaryEmbedding (exporters/ort_rotary.py), in both graphs:
+    no rotate-half ops are left, and in the decode graphs q and k reach GroupQueryAttention without a
+    Transpose."""
     assert graphs["rotary"] == graphs["rotary_decode"] == graphs["rotary_prefill"] == 2 * LAYERS
     for proto in (graphs["decode"]["proto"], graphs["decode"]["shared_proto"]):
         ops = Counter(node.op_type for node in proto.graph.node)
@@ -264,15 +275,16 @@ def test_auto_keeps_float16_graphs_standard_and_fused_float16_is_refused(tmp_pat
 def engine_pair(tmp_path_factory) -> dict[str, Path]:
     """A fused and a standard-op engine of the same tiny model."""
     out = tmp_path_factory.mktemp("pair")
-    return {attention: tiny_engine("qwen3", out / attention, cut=CUT, max_seq=64, target=OnnxTarget(attention=attention))
+    return {attention: tiny_engine("qwen3", out / attention, cut=CUT, max_seq=64,
+                                   target=OnnxTarget(attention=attention))
             for attention in ("fused", "standard")}
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
 def test_fused_engine_samples_what_the_standard_engine_samples(engine_pair, io_binding):
-    """End to end through PopSession, a fused engine (decode on the shared buffer) against a standard-op engine of
-    the same model: sampled tokens (seeded, temperature 1: they follow small logit changes, unlike the tiny
-    model's greedy repeats) for POP and full prefill, a left-padded batch and a one-token prompt."""
+    """End to end through PopSession, a fused engine (decode on the shared buffer) against a standard-op
+    engine of the same model: sampled tokens (seeded, temperature 1: they follow small logit changes, unlike
+    the tiny model's greedy repeats) for POP and full prefill, a left-padded batch and a one-token prompt."""
     fused = PopSession(engine_pair["fused"], io_binding=io_binding)
     standard = PopSession(engine_pair["standard"])
     assert fused.manifest.shares_kv("decode") and not standard.manifest.shares_kv("decode")

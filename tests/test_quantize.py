@@ -30,8 +30,8 @@ from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.runtime.generate import SamplingConfig
 from popcompile.runtime.ort import PopSession
+from popcompile.runtime.sampling import SamplingConfig
 
 ARCHS = ("llama", "gemma3_text")
 LAYERS, CUT = 4, 3
@@ -70,7 +70,8 @@ def op_counts(proto: onnx.ModelProto) -> Counter:
 
 def _constant_matmuls(proto: onnx.ModelProto) -> int:
     weights = {t.name for t in proto.graph.initializer}
-    return sum(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in weights for n in proto.graph.node)
+    return sum(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in weights
+               for n in proto.graph.node)
 
 
 def _decode_outputs(folder: Path) -> list[np.ndarray]:
@@ -79,14 +80,15 @@ def _decode_outputs(folder: Path) -> list[np.ndarray]:
     empty = [np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), np.float32) for _ in layout.past_names]
     seq = PROMPT.shape[1]
     return session.run(None, {"input_ids": PROMPT, "position_ids": np.arange(seq)[None],
-                              "attention_mask": np.ones((1, seq), np.int64), **dict(zip(layout.past_names, empty))})
+                              "attention_mask": np.ones((1, seq), np.int64),
+                              **dict(zip(layout.past_names, empty))})
 
 
 def test_every_constant_weight_matmul_becomes_matmulnbits(engines):
-    # decode: 4 projections per layer (q/k/v and gate/up packed: exporters/ort_pack.py; o, down), q apart in the
-    # pruned layers (the prefill reads it over x_N alone), and the LM head (a Gemm over the tied embedding, untied
-    # first); prefill: at least layers 0..cut-1 whole, the pruned layers' packed k/v projection (POP), x_N's q
-    # and the head.
+    # decode: 4 projections per layer (q/k/v and gate/up packed: exporters/ort_pack.py; o, down), q apart in
+    # the pruned layers (the prefill reads it over x_N alone), and the LM head (a Gemm over the tied
+    # embedding, untied first); prefill: at least layers 0..cut-1 whole, the pruned layers' packed k/v
+    # projection (POP), x_N's q and the head.
     assert _constant_matmuls(_graph(engines["float"], "decode")) == 4 * LAYERS + (LAYERS - CUT) + 1
     assert _constant_matmuls(_graph(engines["float"], "prefill")) >= 4 * CUT + 2 * (LAYERS - CUT) + 1
     for fmt in ("int8", "int4"):
@@ -103,7 +105,8 @@ def test_every_constant_weight_matmul_becomes_matmulnbits(engines):
                 - _constant_matmuls(float_graph)
             assert op_counts(graph)["MatMul"] == activation_products == 0
             attention = {op: op_counts(graph)[op] for op in (GQA, MHA)}
-            assert attention == {op: op_counts(float_graph)[op] for op in (GQA, MHA)} and sum(attention.values()) == LAYERS
+            assert attention == {op: op_counts(float_graph)[op] for op in (GQA, MHA)}
+            assert sum(attention.values()) == LAYERS
 
 
 def test_weights_file_shrinks_and_the_manifest_records_the_format(engines):
@@ -186,7 +189,8 @@ def test_float16_graphs_are_not_quantised(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "popcompile.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "popcompile.cli", *args], capture_output=True, text=True,
+                          timeout=600)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -204,8 +208,8 @@ def test_cli_refuses_quantisation_it_cannot_do(tmp_path, args, match):
 def test_cli_exports_int4_and_info_says_so(tmp_path):
     model = tiny_hf_folder(tmp_path / "hf")
     out = tmp_path / "int4"
-    run = _cli("export", str(model), "--out", str(out), "--weights", "int4", "--block-size", "16", "--cut", "3",
-               "--kv-calibration", "none", "--min-prompt-tokens", "0", "--json")
+    run = _cli("export", str(model), "--out", str(out), "--weights", "int4", "--block-size", "16",
+               "--cut", "3", "--kv-calibration", "none", "--min-prompt-tokens", "0", "--json")
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["quantization"]["block_size"] == 16
     info = _cli("info", str(out))

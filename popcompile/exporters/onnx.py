@@ -28,11 +28,7 @@ from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..frontend.models import LoadedModel
 from ..kvfit.calibrate import KVFit
 from ..passes.prefill import GraphPair
-from .ort_attention import lower_for_ort
-from .ort_pack import pack_projections
-from .ort_rotary import fuse_rotary
-from .ort_shared_kv import share_kv_buffer
-from .ort_views import drop_round_trip_views
+from .ort_passes import ORT_PASSES, OrtContext
 from .quantize import quantize_weights
 from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
 
@@ -44,26 +40,26 @@ _INLINE_BYTES = 1024
 
 
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
-                 step: Callable[[str], None], quantization: WeightQuantization = WeightQuantization(),
-                 attention: str = "standard", report_fuse: bool = False) -> EngineManifest:
-    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``;
-    ``attention="fused"``: norms and attention as onnxruntime's contrib ops (exporters/ort_attention.py).
-    ``report_fuse``: report FUSE_STEP even when it keeps standard ops (attention="auto" on float16 graphs)."""
+                 step: Callable[[str], None], quantization: WeightQuantization,
+                 attention: str) -> EngineManifest:
+    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``.
+    ``attention`` as the target resolved it (OnnxTarget.lowering): fused, norms and attention as onnxruntime's
+    contrib ops (exporters/ort_passes.py), or standard."""
     step(ONNX_STEPS[0])
     decode = to_onnx(pair.decode, pair, with_logits=True)
     step(ONNX_STEPS[1])
     prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
     entry = {}
-    if attention == "fused" or report_fuse:
-        step(FUSE_STEP)
     if attention == "fused":
+        step(FUSE_STEP)
         decode, prefill, entry = fuse_for_ort(decode, prefill, pair)
     if quantization.bits is not None:
         step(QUANTIZE_STEP)
         decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
     step(ONNX_STEPS[2])
     weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
-    if not entry:  # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
+    # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
+    if not entry:
         for name in ("decode.onnx", "prefill.onnx"):
             onnx.checker.check_model(str(tmp / name))
     loaded.tokenizer.save_pretrained(tmp)
@@ -91,11 +87,13 @@ def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
 
 
 def canonical_dims(proto: onnx.ModelProto) -> None:
-    """Rename the exporter's symbols (s10, s15 + s70, ...) to batch/seq/past/total, the same in every graph."""
+    """Rename the exporter's symbols (s10, s15 + s70, ...) to batch/seq/past/total, the same in every
+    graph."""
     roles = {"input_ids": ("batch", "seq"), "attention_mask": ("batch", "total")}
     names: dict[str, str] = {}
     for value in proto.graph.input:
-        wanted = roles.get(value.name) or (("batch", None, "past", None) if value.name.startswith("past_") else ())
+        past = ("batch", None, "past", None) if value.name.startswith("past_") else ()
+        wanted = roles.get(value.name) or past
         for dim, name in zip(value.type.tensor_type.shape.dim, wanted):
             if name and dim.dim_param:
                 names.setdefault(dim.dim_param, name)
@@ -157,7 +155,8 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
         num_layers=pair.num_layers, cut=pair.cut, kv_layout=pair.layout, graphs=graphs,
         weights={"file": WEIGHTS, "bytes": weights_bytes, "sha256": sha256_file(folder / WEIGHTS)},
         dtype=pair.layout.dtype,
-        versions=_versions(), extra={"kv_calibration": asdict(fit.info) if fit else None, "cut_choice": cut_choice},
+        versions=_versions(),
+        extra={"kv_calibration": asdict(fit.info) if fit else None, "cut_choice": cut_choice},
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         boundary=pair.boundary,
     )
@@ -165,23 +164,20 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
 
 def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto,
                  pair: GraphPair) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
-    """Both graphs rewritten for onnxruntime's contrib ops, in order, and the manifest's ``attention`` entry:
-    attention (ort_attention), decode on the KV buffer itself (ort_shared_kv), RoPE (ort_rotary, after: GQA's
-    flattening is its anchor), projections packed across both graphs (ort_pack, before quantisation), and the
-    views that end where they began removed (ort_views)."""
-    (decode, decode_forms), (prefill, prefill_forms) = (
-        lower_for_ort(proto, pair.num_layers) for proto in (decode, prefill))
-    shared = ["decode"] * share_kv_buffer(decode, pair.layout)  # prefill: its pruned layers are MHA
-    rotary = {"decode": fuse_rotary(decode), "prefill": fuse_rotary(prefill)}
-    packed = pack_projections({"decode": decode, "prefill": prefill})
-    for proto in (decode, prefill):
-        drop_round_trip_views(proto)
-    lowering = {"decode": decode_forms, "prefill": prefill_forms}
+    """Both graphs rewritten for onnxruntime's contrib ops by each of ``ORT_PASSES`` in turn (ort_passes.py:
+    what each does and why it sits where it does), and the manifest's ``attention`` entry from what they
+    record."""
+    graphs, recorded = {"decode": decode, "prefill": prefill}, {}
+    context = OrtContext(pair.num_layers, pair.layout)
+    for ort_pass in ORT_PASSES:
+        recorded.update(ort_pass.run(graphs, context))
+    lowering, rotary = recorded["layers"], recorded["rotary"]
     used = {op for forms in lowering.values() for op, layers in forms.items() if layers and op != "standard"}
     used |= {"RotaryEmbedding"} if any(rotary.values()) else set()
-    entry = {"lowering": "onnxruntime", "ops": sorted(f"com.microsoft.{op}" for op in used), "layers": lowering,
-             "shared_kv": shared, "rotary": rotary, "packed": packed}
-    return decode, prefill, entry
+    entry = {"lowering": "onnxruntime", "ops": sorted(f"com.microsoft.{op}" for op in used),
+             "layers": lowering, "shared_kv": recorded["shared_kv"], "rotary": rotary,
+             "packed": recorded["packed"]}
+    return graphs["decode"], graphs["prefill"], entry
 
 
 def _versions() -> dict[str, str]:

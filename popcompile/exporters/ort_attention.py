@@ -11,17 +11,19 @@ Step 2, here (``mha_to_gqa``): each MultiHeadAttention whose key and value are r
 reads the past and the new rows per KV head (no repeat per query head, no transposed copy of K):
 
     before   past_k [B,Hkv,P,D] ─┐
-             k_new  [B,Hkv,T,D] ─┴ Concat ─ Unsqueeze/Expand/Reshape (x H/Hkv) ─ Transpose/Reshape [B,P+T,H*D] ─┐
-             q [B,T,H*D], mask bias [B,1,T,P+T] ─ Expand [B,H,T,P+T] ──────────────────── MultiHeadAttention ◄─┘
+             k_new  [B,Hkv,T,D] ─┴ Concat ─ Unsqueeze/Expand/Reshape (x H/Hkv)
+                                 ─ Transpose/Reshape [B,P+T,H*D] ────────────────────────────┐
+             q [B,T,H*D], mask bias [B,1,T,P+T] ─ Expand [B,H,T,P+T] ── MultiHeadAttention ◄─┘
     after    k_new ─ Transpose/Reshape [B,T,Hkv*D] ─┐
              q, past_k, past_v, mask bias [B,1,T,P+T] ── GroupQueryAttention(seqlens_k = P+T-1, total = P+T)
 
 The mask stays the graph's own additive bias (padding, causality, Gemma 3's sliding windows), so GQA's
 causal rule only repeats it. The KV contract is unchanged: ``present.i.key`` (the new rows) is still the
 output and the past still an input. GQA also writes its own concatenated present, unused here (one copy of
-the past per step): ``ort_shared_kv`` then makes the decode graph's presents GQA's, bound to the buffer itself. A layer whose query has
-fewer tokens than its new K/V (the prefill graph's pruned layers: only the last token attends over all N)
-keeps MultiHeadAttention, which takes unequal lengths; a layer no fusion matched keeps standard ops.
+the past per step): ``ort_shared_kv`` then makes the decode graph's presents GQA's, bound to the buffer
+itself. A layer whose query has fewer tokens than its new K/V (the prefill graph's pruned layers: only the
+last token attends over all N) keeps MultiHeadAttention, which takes unequal lengths; a layer no fusion
+matched keeps standard ops.
 ``lower_for_ort`` returns the graph and how many layers took each form, for the manifest.
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ from collections import Counter
 
 import onnx
 from onnx import TensorProto, helper
+
+from .ort_graph import declared_shapes, drop_dead, producers
 
 GQA, MHA = "GroupQueryAttention", "MultiHeadAttention"
 _MS = "com.microsoft"
@@ -62,8 +66,7 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
     """Rewrite, in place, each MultiHeadAttention over repeated ``Concat(past, new)`` K/V with equal query and
     new-row lengths into GroupQueryAttention (module docstring); returns how many."""
     graph = proto.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    shapes = {v.name: dims(v) for v in (*graph.value_info, *graph.input, *graph.output)}
+    producer, shapes = producers(graph), declared_shapes(graph)
     nodes, count = [], 0
     for node in graph.node:
         match = _match(node, producer, shapes)
@@ -103,7 +106,8 @@ def _match(node, producer, shapes) -> tuple[tuple[str, str], tuple[str, str], in
 
 
 def _concat_source(name: str, producer) -> tuple[str, str] | None:
-    """(past, new) of the ``Concat(past, new)`` that ``name`` repeats per query head, through _REPEAT_CHAIN."""
+    """(past, new) of the ``Concat(past, new)`` that ``name`` repeats per query head, through
+    _REPEAT_CHAIN."""
     node = producer.get(name)
     for op in _REPEAT_CHAIN:
         if node is None or node.op_type != op or node.domain not in ("", "ai.onnx"):
@@ -129,7 +133,8 @@ def _gqa_nodes(node, k: tuple[str, str], v: tuple[str, str], kv_heads: int, bias
     nodes, rows = [], []
     for part, (_, new) in (("k", k), ("v", v)):
         nodes.append(helper.make_node("Transpose", [new], [f"{name}/{part}_bsnd"], perm=[0, 2, 1, 3]))
-        nodes.append(helper.make_node("Reshape", [f"{name}/{part}_bsnd", f"{_PREFIX}/bsd"], [f"{name}/{part}"]))
+        nodes.append(helper.make_node("Reshape", [f"{name}/{part}_bsnd", f"{_PREFIX}/bsd"],
+                                      [f"{name}/{part}"]))
         rows.append(f"{name}/{part}")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     nodes.append(helper.make_node(
@@ -154,29 +159,3 @@ def _length_nodes() -> list:
             helper.make_node("Sub", [f"{p}/total1", f"{p}/one"], [f"{p}/last"]),
             helper.make_node("Shape", ["attention_mask"], [f"{p}/batch"], start=0, end=1),
             helper.make_node("Expand", [f"{p}/last", f"{p}/batch"], [f"{p}/seqlens_k"])]
-
-
-def drop_dead(graph: onnx.GraphProto) -> None:
-    """Remove the nodes no graph output depends on (the replaced Concat/repeat chains), keeping the order."""
-    needed = {out.name for out in graph.output}
-    live = []
-    for node in reversed(graph.node):
-        if any(out in needed for out in node.output):
-            live.append(node)
-            needed.update(node.input)
-    del graph.node[:]
-    graph.node.extend(reversed(live))
-    used = needed | {i.name for i in graph.input}
-    kept = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    produced = {out for node in graph.node for out in node.output}
-    infos = [v for v in graph.value_info if v.name in produced]
-    del graph.value_info[:]
-    graph.value_info.extend(infos)
-
-
-def dims(value: onnx.ValueInfoProto) -> list[int | str] | None:
-    if not value.type.tensor_type.HasField("shape"):
-        return None
-    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]

@@ -1,23 +1,26 @@
-"""Projections that read the same activation packed into one MatMul (q/k/v, gate/up), in both fused graphs at once
-and so that every packed weight is one tensor the graphs share: an ONNX-level rewrite before the weights are
-quantised, so that a decode step dispatches one weight-streaming kernel where it dispatched three
+"""Projections that read the same activation packed into one MatMul (q/k/v, gate/up), in both fused graphs
+at once and so that every packed weight is one tensor the graphs share: an ONNX-level rewrite before the
+weights are quantised, so that a decode step dispatches one weight-streaming kernel where it dispatched three
 (onnxruntime-genai's packed QKV).
 
-    before   h [B,S,K] ─┬─ MatMul(Wq [K,Nq]) ─ q          after   h ─ MatMul([Wq|Wk|Wv] [K,Nq+Nk+Nv]) ─ Split(-1) ─ q
-                         ├─ MatMul(Wk [K,Nk]) ─ k                                                                   ├─ k
-                         └─ MatMul(Wv [K,Nv]) ─ v                                                                   └─ v
+    before   h [B,S,K] ─┬─ MatMul(Wq [K,Nq]) ─ q
+                        ├─ MatMul(Wk [K,Nk]) ─ k
+                        └─ MatMul(Wv [K,Nv]) ─ v
+    after    h [B,S,K] ─ MatMul([Wq|Wk|Wv] [K,Nq+Nk+Nv]) ─ Split(-1) ─┬─ q
+                                                                      ├─ k
+                                                                      └─ v
 
-A bias (Qwen2's q/k/v; a POP+ fit's k/v bias, calibrate.py) follows each MatMul as ``Add(y, b [N])``. Where every
-member of a part has one, the biases are packed too: ``MatMul([W1|W2]) ─ Add([b1|b2]) ─ Split``, one Add per part
-instead of one per member; a part where some member has none keeps its Adds after the Split.
+A bias (Qwen2's q/k/v; a POP+ fit's k/v bias, calibrate.py) follows each MatMul as ``Add(y, b [N])``. Where
+every member of a part has one, the biases are packed too: ``MatMul([W1|W2]) ─ Add([b1|b2]) ─ Split``, one
+Add per part instead of one per member; a part where some member has none keeps its Adds after the Split.
 
-Sharing decides the groups. ``write_shared`` stores each distinct tensor once; a packed weight is a new tensor,
-so packing pays only where every graph that reads a part reads it inside the same group. The folded prefill
-graph's pruned layers read k/v over the prompt (from h_cut, or h_l on x_N's row) and q over x_N's row alone:
-packing decode's q/k/v there would store Wq twice and [Wk|Wv] beside [Wq|Wk|Wv] (+5.6% for SmolLM2). So the
-parts of a group are split by where their weights occur, in every graph: weights that occur in exactly the same
-groups everywhere are packed together (those pruned layers: [Wk|Wv] in both graphs, Wq alone), in the same column
-order (by content), and stored once.
+Sharing decides the groups. ``write_shared`` stores each distinct tensor once; a packed weight is a new
+tensor, so packing pays only where every graph that reads a part reads it inside the same group. The folded
+prefill graph's pruned layers read k/v over the prompt (from h_cut, or h_l on x_N's row) and q over x_N's
+row alone: packing decode's q/k/v there would store Wq twice and [Wk|Wv] beside [Wq|Wk|Wv] (+5.6% for
+SmolLM2). So the parts of a group are split by where their weights occur, in every graph: weights that occur
+in exactly the same groups everywhere are packed together (those pruned layers: [Wk|Wv] in both graphs, Wq
+alone), in the same column order (by content), and stored once.
 
 Each output column is the same dot product as before (numbers equal up to the GEMM's blocking; MatMulNBits
 quantises the packed weight per column, as it did each part).
@@ -33,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .ort_attention import drop_dead
+from .ort_graph import drop_dead, readers
 
 _PREFIX = "pop_pack"
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -62,15 +65,13 @@ def _weights(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
 
 
 def _groups(graph: onnx.GraphProto) -> list[list[_Member]]:
-    """The projections of each activation: MatMuls whose weight is a [K, N] float initializer read by it alone."""
-    weights, uses = _weights(graph), defaultdict(int)
-    for node in graph.node:
-        for name in node.input:
-            uses[name] += 1
+    """The projections of each activation: MatMuls whose weight is a [K, N] float initializer read by it
+    alone."""
+    weights, reading = _weights(graph), readers(graph)
     by_source: dict[str, list[_Member]] = defaultdict(list)
     for node in graph.node:
         if (node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and len(node.input) == 2
-                and node.input[1] in weights and uses[node.input[1]] == 1):
+                and node.input[1] in weights and len(reading[node.input[1]]) == 1):
             by_source[node.input[0]].append(_Member(node, _digest(weights[node.input[1]])))
     return list(by_source.values())
 
@@ -110,8 +111,9 @@ def _split_by_occurrence(members: list[_Member], where: dict) -> list[list[_Memb
 
 
 def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]]) -> int:
-    """Each planned part's packed MatMul (Add) and Split stand where its first member stood; the parts' weights
-    (and bias Adds) go. The Split's outputs are produced earlier than the Adds' were: still before every reader."""
+    """Each planned part's packed MatMul (Add) and Split stand where its first member stood; the parts'
+    weights (and bias Adds) go. The Split's outputs are produced earlier than the Adds' were: still before
+    every reader."""
     if not plan:
         return 0
     weights = _weights(graph)
@@ -136,22 +138,25 @@ def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]]) -> int:
 
 
 def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int, adds: list | None) -> list:
-    """One MatMul over the members' weights side by side ([K, N1+N2+..]), with ``adds`` one Add of their biases
-    side by side ([N1+N2+..]), and the Split that gives each member (or its Add) its output."""
+    """One MatMul over the members' weights side by side ([K, N1+N2+..]), with ``adds`` one Add of their
+    biases side by side ([N1+N2+..]), and the Split that gives each member (or its Add) its output."""
     arrays = [numpy_helper.to_array(weights[node.input[1]]) for node in members]
     name = f"{_PREFIX}/{index}"
     graph.initializer.extend([numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight"),
                               numpy_helper.from_array(np.array([a.shape[1] for a in arrays], np.int64),
                                                       f"{name}/split")])
-    nodes = [helper.make_node("MatMul", [members[0].input[0], f"{name}/weight"], [f"{name}/out"], name=f"{name}/matmul")]
+    nodes = [helper.make_node("MatMul", [members[0].input[0], f"{name}/weight"], [f"{name}/out"],
+                              name=f"{name}/matmul")]
     source, outputs = f"{name}/out", [node.output[0] for node in members]
     if adds is not None:
         initializers = {t.name: t for t in graph.initializer if len(t.dims) == 1}
         biases = [numpy_helper.to_array(initializers[bias]) for _, bias in adds]
         graph.initializer.append(numpy_helper.from_array(np.concatenate(biases), f"{name}/bias"))
-        nodes.append(helper.make_node("Add", [source, f"{name}/bias"], [f"{name}/biased"], name=f"{name}/add"))
+        nodes.append(helper.make_node("Add", [source, f"{name}/bias"], [f"{name}/biased"],
+                                      name=f"{name}/add"))
         source, outputs = f"{name}/biased", [add.output[0] for add, _ in adds]
-    return nodes + [helper.make_node("Split", [source, f"{name}/split"], outputs, name=f"{name}/split", axis=-1)]
+    split = helper.make_node("Split", [source, f"{name}/split"], outputs, name=f"{name}/split", axis=-1)
+    return [*nodes, split]
 
 
 @dataclass(frozen=True)
@@ -165,21 +170,20 @@ class _Context:
 
     @classmethod
     def of(cls, graph: onnx.GraphProto) -> "_Context":
-        readers: dict[str, list] = defaultdict(list)
-        for node in graph.node:
-            for name in node.input:
-                readers[name].append(node)
         biases = {t.name: t for t in graph.initializer if len(t.dims) == 1 and t.data_type in _FLOATS}
-        return cls(readers, frozenset(o.name for o in graph.output), biases, _weights(graph))
+        return cls(readers(graph), frozenset(o.name for o in graph.output), biases, _weights(graph))
 
 
 def _bias_adds(members: list, context: _Context) -> list | None:
-    """(the ``Add(y, b)`` each member's output y goes to alone, b's name), b a 1-D float initializer [N] of the
-    member's N columns and dtype, in member order; None unless every member has one (then its Adds stay)."""
+    """(the ``Add(y, b)`` each member's output y goes to alone, b's name), b a 1-D float initializer [N] of
+    the member's N columns and dtype, in member order; None unless every member has one (then its Adds
+    stay)."""
     adds = []
     for node in members:
         y, found = node.output[0], context.readers.get(node.output[0], [])
-        if y in context.outputs or len(found) != 1 or found[0].op_type != "Add" or found[0].domain not in ("", "ai.onnx"):
+        if y in context.outputs or len(found) != 1:
+            return None
+        if found[0].op_type != "Add" or found[0].domain not in ("", "ai.onnx"):
             return None
         add, weight = found[0], context.weights[node.input[1]]
         other = [name for name in add.input if name != y]

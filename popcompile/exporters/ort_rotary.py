@@ -1,29 +1,31 @@
-"""Rotary position embedding as onnxruntime's ``com.microsoft.RotaryEmbedding``, on the tokens' ``[B, S, H*D]``
-rows: an ONNX-level rewrite of the fused graphs (after ``ort_attention`` and ``ort_shared_kv``; onnxscript's own
-RoPE fusion needs a cos/sin cache pattern the exporter's graphs do not have, so RoPE stays in 7 standard ops per
-query and key, each a node onnxruntime dispatches every decode step).
+"""Rotary position embedding as onnxruntime's ``com.microsoft.RotaryEmbedding``, on the tokens'
+``[B, S, H*D]`` rows: an ONNX-level rewrite of the fused graphs (after ``ort_attention`` and
+``ort_shared_kv``; onnxscript's own RoPE fusion needs a cos/sin cache pattern the exporter's graphs do not
+have, so RoPE stays in 7 standard ops per query and key, each a node onnxruntime dispatches every decode
+step).
 
-    before   v [B,S,H,D] ─ Transpose ─ x [B,H,S,D] ─┬─ Mul(cos) ──────────────────────────────────┐
-                                                     └─ Slice, Slice ─ Neg ─ Concat ─ Mul(sin) ─── Add ─ y [B,H,S,D]
-             y ─ Transpose ─ Reshape [B,S,H*D] ─ GroupQueryAttention          (and y ─ present / MHA's repeat)
+    before   v [B,S,H,D] ─ Transpose ─ x [B,H,S,D] ─┬─ Mul(cos) ─────────────────────────────────┐
+                                                    └─ Slice, Slice ─ Neg ─ Concat ─ Mul(sin) ─── Add ─ y
+             y [B,H,S,D] ─ Transpose ─ Reshape [B,S,H*D] ─ GroupQueryAttention
+                                                      (and y ─ present / MHA's repeat)
     after    v ─ Reshape [B,S,H*D] ─ RotaryEmbedding(positions, cos_cache, sin_cache) ─ y3 ─ Identity ─ GQA
              y3 ─ Reshape [B,S,H,D] ─ Transpose ─ y     (kept only where y has other readers)
 
-``cos_cache``/``sin_cache`` are this step's own cos/sin (``[Bc, 1, S, D]``), their first halves as ``[Bc*S, D/2]``
-rows, and ``positions [Bc, S]`` index them (row ``b*S + s``). That the halves are equal (HF's
-``cat(freqs, freqs)``) is checked on the graph: cos/sin must come from ``Cos``/``Sin`` of a ``Concat(f, f)``,
-through Unsqueeze, Cast or a scalar Mul. Anything else (another rotation, a partial one) keeps its ops.
+``cos_cache``/``sin_cache`` are this step's own cos/sin (``[Bc, 1, S, D]``), their first halves as
+``[Bc*S, D/2]`` rows, and ``positions [Bc, S]`` index them (row ``b*S + s``). That the halves are equal
+(HF's ``cat(freqs, freqs)``) is checked on the graph: cos/sin must come from ``Cos``/``Sin`` of a
+``Concat(f, f)``, through Unsqueeze, Cast or a scalar Mul. Anything else (another rotation, a partial one)
+keeps its ops.
 """
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .ort_attention import dims, drop_dead
+from .ort_graph import declared_shapes, drop_dead, producers, readers, topological_sort, transpose_perm
 
 _PREFIX = "pop_rope"
 _BSNH = [0, 2, 1, 3]
@@ -34,16 +36,13 @@ _CONST_ELEMENTS = 1 << 16
 def fuse_rotary(proto: onnx.ModelProto) -> int:
     """Rewrite, in place, every rotate-half RoPE (module docstring) into RotaryEmbedding; returns how many."""
     graph = proto.graph
-    producer = {out: node for node in graph.node for out in node.output}
+    producer = producers(graph)
     # shape and scalar constants only: the weights (hundreds of MB) decide no match
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer if math.prod(t.dims) <= _CONST_ELEMENTS}
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+              if math.prod(t.dims) <= _CONST_ELEMENTS}
     consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
-    shapes = {v.name: dims(v) for v in (*graph.value_info, *graph.input, *graph.output)}
-    readers = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            readers[name].append(node)
+    shapes, reading = declared_shapes(graph), readers(graph)
     added, caches, count, head_dims, kept = [], {}, 0, set(), []
     for node in list(graph.node):
         match = _match(node, producer, consts, shapes) if node.op_type == "Add" else None
@@ -53,13 +52,13 @@ def fuse_rotary(proto: onnx.ModelProto) -> int:
         x, cos, sin = match
         head_dims.add(shapes[x][3])
         inputs = [_positions(cos, caches, added), _cache(cos, caches, added), _cache(sin, caches, added)]
-        added += _rotary_nodes(node.output[0], x, inputs, shapes[x], producer, readers, shapes, consts, count)
+        added += _rotary_nodes(node.output[0], x, inputs, shapes[x], producer, reading, shapes, consts, count)
         count += 1
     if count:
         _constants(graph, head_dims)
         del graph.node[:]
         graph.node.extend([*kept, *added])
-        _sort(graph)
+        topological_sort(graph)  # the added nodes stand last, after their readers
         drop_dead(graph)
     return count
 
@@ -90,7 +89,9 @@ def _rotate_half_source(concat, producer, consts, shapes) -> str | None:
         return None
     x = low.input[0]
     shape = shapes.get(x)
-    if not (shape and len(shape) == 4 and all(isinstance(d, int) for d in (shape[1], shape[3])) and shape[3] % 2 == 0):
+    if not (shape and len(shape) == 4 and all(isinstance(d, int) for d in (shape[1], shape[3]))):
+        return None
+    if shape[3] % 2:
         return None
     axis = {a.name: a.i for a in concat.attribute}.get("axis")
     half = shape[3] // 2
@@ -111,8 +112,8 @@ def _slice(node, consts) -> tuple[int, int] | tuple[()]:
 
 
 def _halves_equal(name: str, producer, consts, op: str) -> bool:
-    """``name`` is ``op(Concat(f, f))`` on the last axis, through Unsqueeze, Cast, Muls by a scalar and Slices of
-    other axes (a folded prefill's pruned layers rotate x_N's query by the last position's cos/sin)."""
+    """``name`` is ``op(Concat(f, f))`` on the last axis, through Unsqueeze, Cast, Muls by a scalar and Slices
+    of other axes (a folded prefill's pruned layers rotate x_N's query by the last position's cos/sin)."""
     node = producer.get(name)
     while _is(node, *_PASS_THROUGH, "Slice"):
         if node.op_type == "Slice":
@@ -139,11 +140,12 @@ def _is(node, *ops: str) -> bool:
 def _cache(trig: str, caches: dict, added: list) -> str:
     """``trig [Bc,1,S,D]`` -> its first half as ``[Bc*S, D/2]`` rows (once per tensor)."""
     if trig not in caches:
-        name = f"{_PREFIX}/cache/{len(caches)}"
+        name, p = f"{_PREFIX}/cache/{len(caches)}", _PREFIX
         added += [helper.make_node("Shape", [trig], [f"{name}/dim"], start=3, end=4),
-                  helper.make_node("Div", [f"{name}/dim", f"{_PREFIX}/two"], [f"{name}/half"]),
-                  helper.make_node("Slice", [trig, f"{_PREFIX}/zero", f"{name}/half", f"{_PREFIX}/last"], [f"{name}/low"]),
-                  helper.make_node("Concat", [f"{_PREFIX}/minus_one", f"{name}/half"], [f"{name}/rows"], axis=0),
+                  helper.make_node("Div", [f"{name}/dim", f"{p}/two"], [f"{name}/half"]),
+                  helper.make_node("Slice", [trig, f"{p}/zero", f"{name}/half", f"{p}/last"],
+                                   [f"{name}/low"]),
+                  helper.make_node("Concat", [f"{p}/minus_one", f"{name}/half"], [f"{name}/rows"], axis=0),
                   helper.make_node("Reshape", [f"{name}/low", f"{name}/rows"], [name])]
         caches[trig] = name
     return caches[trig]
@@ -166,33 +168,34 @@ def _positions(cos: str, caches: dict, added: list) -> str:
     return caches[key]
 
 
-def _rotary_nodes(y: str, x: str, inputs: list[str], shape: list, producer, readers, shapes, consts,
+def _rotary_nodes(y: str, x: str, inputs: list[str], shape: list, producer, reading, shapes, consts,
                   index: int) -> list:
-    """RotaryEmbedding on ``x``'s token rows, and ``y`` [B,H,S,D] again for readers other than GQA's flattening."""
+    """RotaryEmbedding on ``x``'s token rows, and ``y`` [B,H,S,D] again for readers other than GQA's
+    flattening."""
     name, heads, head_dim = f"{_PREFIX}/{index}", shape[1], shape[3]
     tokens, nodes = _token_rows(x, producer, consts, name)
     if tokens is None:  # x is not a transpose of token rows: rotate x [B,H,S,D] as it is
         return [helper.make_node("RotaryEmbedding", [x, *inputs], [y], domain="com.microsoft", interleaved=0)]
-    for reader in readers[y]:  # y ─ Transpose ─ Reshape [B,S,H*D]: that Reshape becomes Identity(y3)
-        if _is(reader, "Transpose") and _perm(reader) == _BSNH:
-            for flat in readers[reader.output[0]]:
+    for reader in reading[y]:  # y ─ Transpose ─ Reshape [B,S,H*D]: that Reshape becomes Identity(y3)
+        if _is(reader, "Transpose") and transpose_perm(reader) == _BSNH:
+            for flat in reading[reader.output[0]]:
                 if _is(flat, "Reshape") and _flattens(flat, heads * head_dim, shapes, consts):
                     _identity(flat, f"{name}/y3")
     return [*nodes, helper.make_node("Reshape", [tokens, f"{_PREFIX}/bsd"], [f"{name}/rows"]),
-            helper.make_node("RotaryEmbedding", [f"{name}/rows", *inputs], [f"{name}/y3"], domain="com.microsoft",
-                             interleaved=0, num_heads=heads),
+            helper.make_node("RotaryEmbedding", [f"{name}/rows", *inputs], [f"{name}/y3"],
+                             domain="com.microsoft", interleaved=0, num_heads=heads),
             helper.make_node("Reshape", [f"{name}/y3", f"{_PREFIX}/bshd/{head_dim}"], [f"{name}/bshd"]),
             helper.make_node("Transpose", [f"{name}/bshd"], [y], perm=_BSNH)]
 
 
 def _token_rows(x: str, producer, consts, name: str) -> tuple[str | None, list]:
-    """v [B,S,H,D] with ``x = Transpose(v)``, or with ``x = f(Transpose(u))`` for an ``f`` over the last axis alone
-    (Gemma's q/k RMSNorm, a Mul by a per-channel constant), then ``v = f(u)``, a new node; (None, []) for any
-    other x."""
+    """v [B,S,H,D] with ``x = Transpose(v)``, or with ``x = f(Transpose(u))`` for an ``f`` over the last axis
+    alone (Gemma's q/k RMSNorm, a Mul by a per-channel constant), then ``v = f(u)``, a new node; (None, [])
+    for any other x."""
     node, last_axis = producer.get(x), None
     if _on_last_axis(node, consts):
         last_axis, node = node, producer.get(node.input[0])
-    if not (_is(node, "Transpose") and _perm(node) == _BSNH):
+    if not (_is(node, "Transpose") and transpose_perm(node) == _BSNH):
         return None, []
     if last_axis is None:
         return node.input[0], []
@@ -211,10 +214,6 @@ def _on_last_axis(node, consts) -> bool:
         return {a.name: a.i for a in node.attribute}.get("axis", -1) == -1 and len(node.output) == 1
     value = consts.get(node.input[1]) if node.op_type == "Mul" and len(node.input) == 2 else None
     return value is not None and (value.ndim <= 1 or all(d == 1 for d in value.shape[:-1]))
-
-
-def _perm(node) -> list[int] | None:
-    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
 
 
 def _flattens(node, width: int, shapes, consts) -> bool:
@@ -237,31 +236,8 @@ def _identity(node, source: str) -> None:
 def _constants(graph: onnx.GraphProto, head_dims: set[int]) -> None:
     values = {"zero": [0], "two": [2], "last": [-1], "minus_one": [-1], "bsd": [0, 0, -1],
               **{f"bshd/{d}": [0, 0, -1, d] for d in head_dims}}
-    graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), f"{_PREFIX}/{k}") for k, v in values.items())
+    graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), f"{_PREFIX}/{k}")
+                             for k, v in values.items())
     graph.initializer.extend([numpy_helper.from_array(np.array(0, np.int64), f"{_PREFIX}/zero_scalar"),
                               numpy_helper.from_array(np.array(1, np.int64), f"{_PREFIX}/one_scalar")])
 
-
-def _sort(graph: onnx.GraphProto) -> None:
-    """Order the nodes so each comes after the producers of its inputs (stable otherwise: Kahn's, by position)."""
-    nodes = list(graph.node)
-    producer = {out: index for index, node in enumerate(nodes) for out in node.output}
-    waiting = [sum(1 for name in set(node.input) if name in producer) for node in nodes]
-    readers = defaultdict(list)
-    for index, node in enumerate(nodes):
-        for name in set(node.input):
-            if name in producer:
-                readers[producer[name]].append(index)
-    ready = [index for index, count in enumerate(waiting) if count == 0]
-    order = []
-    while ready:
-        index = ready.pop(0)
-        order.append(index)
-        for reader in readers[index]:
-            waiting[reader] -= 1
-            if waiting[reader] == 0:
-                ready.append(reader)
-    assert len(order) == len(nodes), "a cycle after the RoPE rewrite"
-    ordered = [nodes[index] for index in order]
-    del graph.node[:]
-    graph.node.extend(ordered)

@@ -2,8 +2,8 @@
 (onnxruntime's ``past_present_share_buffer``): the decode graph's KV outputs become GroupQueryAttention's
 presents, and the past length comes from the mask instead of the past's shape.
 
-    before   past.i.key  [B,Hkv,P,D] ── GQA(.., past_k, past_v, seqlens_k = P+T-1, total = P+T) ── (present unused)
-             k_new       [B,Hkv,T,D] ─────────────────────────────────────────────── present.i.key  (T new rows)
+    before   past.i.key  [B,Hkv,P,D] ── GQA(.., past_k, past_v, seqlens_k=P+T-1, total=P+T)  (present unused)
+             k_new       [B,Hkv,T,D] ─────────────────────────────────────────── present.i.key  (T new rows)
              Shape(past.i.key)[2] = P  ── cache positions, causal mask
     after    past.i.key  [B,Hkv,R,D] ── GQA ── present.i.key [B,Hkv,max(R,P+T),D]  (R: the rows bound)
              k_new stays GQA's input only
@@ -26,6 +26,7 @@ from onnx import helper
 
 from ..engine.kv import KVLayout
 from .ort_attention import GQA
+from .ort_graph import rename_tensor
 
 _PREFIX = "pop_shared_kv"
 #: the present rows' dimension in the declared outputs: max(rows bound as the past, past + new tokens)
@@ -44,7 +45,8 @@ def share_kv_buffer(proto: onnx.ModelProto, layout: KVLayout) -> bool:
         assert node.input[4] == layout.past_name(layer, "value"), node.name
         for index, kind in ((1, "key"), (2, "value")):
             name = layout.present_name(layer, kind)
-            _rename(graph, name, f"{_PREFIX}/{layer}/{kind}_rows")  # the new rows: GQA's key/value input only
+            # the new rows: GQA's key/value input only
+            rename_tensor(graph, name, f"{_PREFIX}/{layer}/{kind}_rows")
             node.output[index] = name
     _past_length_from_mask(graph, past)  # last: it rebuilds graph.node, whose messages ``gqa`` holds
     for output in graph.output:
@@ -87,14 +89,3 @@ def _shape_range(node: onnx.NodeProto) -> tuple[int | None, int | None]:
     attrs = {a.name: a.i for a in node.attribute}
     return attrs.get("start"), attrs.get("end")
 
-
-def _rename(graph: onnx.GraphProto, old: str, new: str) -> None:
-    """Tensor ``old`` is called ``new`` by every node and value_info (the graph output ``old`` gets a new producer)."""
-    for node in graph.node:
-        for names in (node.input, node.output):
-            for index, name in enumerate(names):
-                if name == old:
-                    names[index] = new
-    for value in graph.value_info:
-        if value.name == old:
-            value.name = new

@@ -19,9 +19,8 @@ producers.
 from __future__ import annotations
 
 import onnx
-from onnx import helper
 
-from .ort_attention import drop_dead
+from .ort_graph import drop_dead, producers, redirect_readers, transpose_perm
 
 _VIEWS = ("Reshape", "Identity")
 _LIGHT_BYTES = 1 << 12  # initializers kept with their values for shape inference (shape constants)
@@ -31,8 +30,8 @@ def drop_round_trip_views(proto: onnx.ModelProto) -> int:
     """Remove, in place, the Transpose pairs that cancel and the Reshape chains that end where they began;
     how many tensors now read their chain's start."""
     graph = proto.graph
-    moved = _rename(graph, _cancelling_transposes(graph))
-    moved += _rename(graph, _round_trips(graph, _symbolic_shapes(proto)))
+    moved = redirect_readers(graph, _cancelling_transposes(graph))
+    moved += redirect_readers(graph, _round_trips(graph, _symbolic_shapes(proto)))
     if moved:
         drop_dead(graph)
     return moved
@@ -40,28 +39,21 @@ def drop_round_trip_views(proto: onnx.ModelProto) -> int:
 
 def _cancelling_transposes(graph: onnx.GraphProto) -> dict[str, str]:
     """y -> x for every ``y = Transpose(Transpose(x, p), q)`` with q∘p the identity."""
-    producer = {out: node for node in graph.node for out in node.output}
+    producer = producers(graph)
     renames = {}
     for node in graph.node:
         inner = producer.get(node.input[0]) if node.op_type == "Transpose" and node.input else None
         if inner is None or inner.op_type != "Transpose":
             continue
-        p, q = _perm(inner), _perm(node)
+        p, q = transpose_perm(inner), transpose_perm(node)
         if p is not None and q is not None and len(p) == len(q) and [p[i] for i in q] == sorted(p):
             renames[node.output[0]] = inner.input[0]
     return renames
 
 
-def _perm(node: onnx.NodeProto) -> list[int] | None:
-    for attr in node.attribute:
-        if attr.name == "perm":
-            return list(helper.get_attribute_value(attr))
-    return None  # reversed axes: rank-dependent, left alone
-
-
 def _round_trips(graph: onnx.GraphProto, shapes: dict[str, tuple]) -> dict[str, str]:
     """y -> x for the end y of every Reshape/Identity chain from x whose symbolic shape is x's."""
-    producer = {out: node for node in graph.node for out in node.output}
+    producer = producers(graph)
     renames = {}
     for node in graph.node:
         if node.op_type not in _VIEWS:
@@ -79,23 +71,6 @@ def _known(shape: tuple | None) -> bool:
     return shape is not None and all(isinstance(d, int) or (d and not d.startswith("unk__")) for d in shape)
 
 
-def _rename(graph: onnx.GraphProto, renames: dict[str, str]) -> int:
-    """Every reader of a key reads its value instead (followed to the end of chained renames); outputs stay."""
-    outputs = {value.name for value in graph.output}
-    renames = {old: new for old, new in renames.items() if old not in outputs}
-
-    def final(name: str) -> str:
-        while name in renames:
-            name = renames[name]
-        return name
-
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name in renames:
-                node.input[index] = final(name)
-    return len(renames)
-
-
 def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, tuple]:
     """name -> shape (ints and dim names) of every tensor, by onnxruntime's symbolic shape inference on a copy
     whose large initializers keep their dims only (their values decide no shape)."""
@@ -106,7 +81,8 @@ def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, tuple]:
                             initializer=[_light(t) for t in proto.graph.initializer])
     light = onnx.ModelProto(ir_version=proto.ir_version, opset_import=proto.opset_import, graph=graph)
     try:
-        inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=False, guess_output_rank=False, verbose=0)
+        inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=False, guess_output_rank=False,
+                                                       verbose=0)
     except Exception:  # noqa: BLE001 - its own asserts on a graph it cannot follow: no shape proves a round trip
         return {}
     values = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
