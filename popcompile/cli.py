@@ -1,7 +1,8 @@
 """The ``popcompile`` command: subcommands from ``popcompile.commands.COMMANDS``.
 
 Errors a user can fix (``popcompile.errors.PopcompileError``) exit with code 2 and one line naming the
-problem and the fix (no traceback; ``--debug`` shows it). Any other exception is a bug and shows its traceback.
+problem and the fix (no traceback; ``--debug`` shows it). Any other exception is a bug and shows its
+traceback.
 Heavy imports (torch, transformers) happen inside the commands that need them.
 """
 from __future__ import annotations

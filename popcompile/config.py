@@ -2,8 +2,10 @@
 
     PopConfig(cut=None, prune_ratio=None,     which layers are pruned: cut = first pruned layer, or
               boundary="folded",              L - floor(L * prune_ratio) (default 1/3; resolve_cut)
-              kv_calibration="auto",          KVCalibration: none | auto | distill | a file from `popcompile calibrate`
-              dtype="float32", max_seq=None,  engine precision, KV buffer length (None: min(4096, model limit))
+              kv_calibration="auto",          KVCalibration: none | auto | distill | a file from
+                                              `popcompile calibrate`
+              dtype="float32", max_seq=None,  engine precision, KV buffer length
+                                              (None: min(4096, model limit))
               min_prompt_tokens="auto")       prompts shorter than this prefill in full ("auto": measured)
 
 Every entry point builds one (the CLI from flags, ``torch.compile`` from ``options=``, Python users
@@ -20,24 +22,34 @@ from typing import Any, Mapping
 
 from .engine.manifest import BOUNDARIES
 from .errors import ConfigError
+from .threshold import is_token_count
 
 DEFAULT_PRUNE_RATIO = 1 / 3
 #: engine precisions: the graphs' weights, activations, KV inputs/outputs and logits all take this dtype
 DTYPES = ("float32", "float16")
-#: capture traces 3 new tokens over 4 cached ones (capture.example_inputs): a shorter buffer cannot be exported
+#: capture traces 3 new tokens over 4 cached ones (capture.example_inputs): a shorter buffer cannot be
+#: exported
 MIN_MAX_SEQ = 8
 KV_MODES = ("none", "auto", "distill", "file")
-#: the modes that fit on the built-in corpus while compiling (export only: the torch.compile backend refuses them)
+#: the modes that fit on the built-in corpus while compiling (export only: the torch.compile backend
+#: refuses them)
 FITTED_MODES = ("auto", "distill")
 #: weight formats of an ONNX engine: float (the engine's dtype) or onnxruntime's MatMulNBits blocks
 WEIGHT_FORMATS = ("float", "int8", "int4")
-#: how an onnx engine's attention is lowered: onnxruntime's fused contrib ops, standard ONNX ops (any runtime), or
-#: auto: fused for float32 graphs, standard for float16 ones (there the fusions leave mixed-type norms)
+#: how an onnx engine's attention is lowered: onnxruntime's fused contrib ops, standard ONNX ops (any
+#: runtime), or auto: fused for float32 graphs, standard for float16 ones (there the fusions leave
+#: mixed-type norms)
 ATTENTION_LOWERINGS = ("auto", "fused", "standard")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_prune_ratio(value: object) -> bool:
+    """The one rule for a share of layers to prune: a finite number, 0 <= value < 1 (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0.0 <= value < 1.0)
 
 
 def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | None = None) -> int:
@@ -50,15 +62,15 @@ def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | No
         raise ConfigError("give either cut= or prune_ratio=, not both")
     if cut is None:
         ratio = DEFAULT_PRUNE_RATIO if prune_ratio is None else prune_ratio
-        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
-                and 0.0 <= ratio < 1.0):
+        if not is_prune_ratio(ratio):
             raise ConfigError(f"prune_ratio={ratio} is out of range: use 0 <= prune_ratio < 1")
         # The small epsilon keeps 1/3 of 30 layers at exactly 10 despite float rounding.
         cut = num_layers - math.floor(num_layers * ratio + 1e-9)
     if not _is_int(cut):
         raise ConfigError(f"cut must be an int layer index, got {cut!r}")
     if not 1 <= cut <= num_layers:
-        raise ConfigError(f"cut={cut} is out of range for a model with {num_layers} layers: use 1..{num_layers}")
+        raise ConfigError(f"cut={cut} is out of range for a model with {num_layers} layers: "
+                          f"use 1..{num_layers}")
     return cut
 
 
@@ -78,8 +90,8 @@ class KVCalibration:
 
     def __post_init__(self) -> None:
         if self.mode not in KV_MODES:
-            raise ConfigError(f"kv_calibration mode {self.mode!r} is not one of {', '.join(KV_MODES)}: give one of "
-                              "them (file with a path)")
+            raise ConfigError(f"kv_calibration mode {self.mode!r} is not one of {', '.join(KV_MODES)}: "
+                              "give one of them (file with a path)")
         if (self.mode == "file") != (self.path is not None):
             raise ConfigError("kv_calibration: a path goes with mode 'file' and only with it")
 
@@ -103,8 +115,8 @@ class KVCalibration:
         if isinstance(value, (str, Path)) and str(value):
             path = Path(value)
             if not path.is_file():
-                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, distill, or a file "
-                                  "from `popcompile calibrate MODEL --out FILE`")
+                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, distill, "
+                                  "or a file from `popcompile calibrate MODEL --out FILE`")
             return cls("file", path)
         raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, distill, or a file from "
                           "`popcompile calibrate`")
@@ -175,20 +187,21 @@ class PopConfig:
             raise ConfigError("give either cut or prune_ratio (--cut / --prune-ratio), not both")
         if self.cut is not None and (not _is_int(self.cut) or self.cut < 1):
             raise ConfigError(f"{_named('cut', self.cut)} is not a layer index: give an integer >= 1")
-        if self.prune_ratio is not None and not (isinstance(self.prune_ratio, (int, float))
-                                                 and not isinstance(self.prune_ratio, bool)
-                                                 and math.isfinite(self.prune_ratio) and 0.0 <= self.prune_ratio < 1.0):
-            raise ConfigError(f"{_named('prune_ratio', self.prune_ratio)} is out of range: use 0 <= ratio < 1")
+        if self.prune_ratio is not None and not is_prune_ratio(self.prune_ratio):
+            raise ConfigError(f"{_named('prune_ratio', self.prune_ratio)} is out of range: "
+                              "use 0 <= ratio < 1")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{_named('dtype', self.dtype)} is not supported: choose one of {', '.join(DTYPES)}")
+            raise ConfigError(f"{_named('dtype', self.dtype)} is not supported: "
+                              f"choose one of {', '.join(DTYPES)}")
         if self.boundary not in BOUNDARIES:
             raise ConfigError(f"{_named('boundary', self.boundary)} is not supported: choose one of "
                               f"{', '.join(BOUNDARIES)}")
         if self.max_seq is not None and (not _is_int(self.max_seq) or self.max_seq < MIN_MAX_SEQ):
-            raise ConfigError(f"{_named('max_seq', self.max_seq)} is too small: give an integer >= {MIN_MAX_SEQ}")
-        if not (self.min_prompt_tokens == "auto" or (_is_int(self.min_prompt_tokens) and self.min_prompt_tokens >= 0)):
-            raise ConfigError(f"{_named('min_prompt_tokens', self.min_prompt_tokens)} is not valid: give auto "
-                              "(measure at export) or an integer >= 0 (0: POP for every prompt)")
+            raise ConfigError(f"{_named('max_seq', self.max_seq)} is too small: "
+                              f"give an integer >= {MIN_MAX_SEQ}")
+        if not (self.min_prompt_tokens == "auto" or is_token_count(self.min_prompt_tokens)):
+            raise ConfigError(f"{_named('min_prompt_tokens', self.min_prompt_tokens)} is not valid: "
+                              "give auto (measure at export) or an integer >= 0 (0: POP for every prompt)")
 
     def resolve_cut(self, num_layers: int) -> int:
         """The first pruned layer for a model of ``num_layers`` layers (ConfigError when out of range)."""
@@ -197,9 +210,10 @@ class PopConfig:
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """POP++ (kvfit/distill.py), how to distil: Adam ``steps`` at ``lr`` (one window each), windows shuffled and split with ``seed``;
-    ``continuation`` scored tokens at the end of each window; ``held_out`` share of the windows scored
-    every ``eval_every`` steps; stop after ``patience`` scores without improvement."""
+    """POP++ (kvfit/distill.py), how to distil: Adam ``steps`` at ``lr`` (one window each), windows
+    shuffled and split with ``seed``; ``continuation`` scored tokens at the end of each window;
+    ``held_out`` share of the windows scored every ``eval_every`` steps; stop after ``patience`` scores
+    without improvement."""
 
     steps: int = 900
     lr: float = 1e-4  # 3e-4 never beat the ridge fit on Gemma 3 (docs/results.md, POP++)
@@ -216,12 +230,68 @@ class DistillConfig:
                 raise ConfigError(f"{self._label(name, value)} must be an integer >= {low} "
                                   f"(default {getattr(DistillConfig, name)})")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"{_named('lr', self.lr)} must be a finite number > 0 (default {DistillConfig.lr})")
+            raise ConfigError(f"{_named('lr', self.lr)} must be a finite number > 0 "
+                              f"(default {DistillConfig.lr})")
         if not (isinstance(self.held_out, (int, float)) and 0 < self.held_out < 1):
             raise ConfigError(f"{self._label('held_out', self.held_out)} must be a share in (0, 1) "
                               f"(default {DistillConfig.held_out})")
 
     @staticmethod
     def _label(field: str, value: object) -> str:
-        """The culprit: as ``_named`` for the fields ``popcompile calibrate`` has flags for, else as a keyword."""
+        """The culprit: as ``_named`` for the fields ``popcompile calibrate`` has flags for, else as a
+        keyword."""
         return _named(field, value) if field in ("steps", "lr", "seed") else f"{field}={value!r}"
+
+
+#: how a K/V fit is made: the closed-form ridge fit (POP+), or that fit trained on KL(full || POP) (POP++)
+FIT_METHODS = ("ridge", "distill")
+#: a bias on every refitted k/v projection, per method, when none is asked for: off for ridge (it lowered
+#: greedy chat agreement), on for distill (the configuration measured; docs/results.md, POP++)
+DEFAULT_FIT_BIAS = {"ridge": False, "distill": True}
+
+
+@dataclass(frozen=True)
+class KVFitConfig:
+    """How the pruned layers' K/V weights are fitted (kvfit/): the one owner of every fitting default, read
+    by ``popcompile calibrate``, export's ``--kv-calibration auto | distill``, eval's pop-kvfit / pop-distill.
+
+    ``method``     ridge | distill (FIT_METHODS)
+    ``ridge``      the regulariser, relative to mean diag(X^T X)
+    ``bias``       fit a bias for every k/v projection (True), only where the model's has one (False), or
+                   None: the method's default (DEFAULT_FIT_BIAS)
+    ``seq_len``    tokens per calibration window of the ridge fit; ``max_tokens``: calibration tokens at most
+    ``distill``    how distill trains (DistillConfig: steps, lr, seed, ...); read by distill only
+    """
+
+    method: str = "ridge"
+    ridge: float = 1e-3
+    bias: bool | None = None
+    seq_len: int = 512
+    max_tokens: int = 65536
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if self.method not in FIT_METHODS:
+            raise ConfigError(f"{_named('method', self.method)} is not a fitting method: choose one of "
+                              f"{', '.join(FIT_METHODS)}")
+        if not (isinstance(self.ridge, (int, float)) and not isinstance(self.ridge, bool)
+                and math.isfinite(self.ridge) and self.ridge >= 0):
+            raise ConfigError(f"--ridge {self.ridge} must be a finite number >= 0 "
+                              f"(default {KVFitConfig.ridge})")
+        if self.bias not in (None, True, False) or not isinstance(self.bias, (bool, type(None))):
+            raise ConfigError(f"bias={self.bias!r} must be True (fit a bias for every projection), "
+                              "False (only where the model's projection has one) or None (the method's "
+                              "default)")
+        for name in ("seq_len", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{_named(name, value)} must be an integer >= 1 "
+                                  f"(default {getattr(KVFitConfig, name)})")
+        if not isinstance(self.distill, DistillConfig):
+            raise ConfigError(f"distill={self.distill!r} is not a DistillConfig: "
+                              "give DistillConfig(steps=...)")
+
+    @property
+    def fits_bias(self) -> bool:
+        """Whether every k/v projection gets a bias: ``bias`` as given, else the method's default."""
+        return DEFAULT_FIT_BIAS[self.method] if self.bias is None else self.bias

@@ -52,7 +52,8 @@ class Geometry:
 
     @classmethod
     def from_config(cls, config: Any) -> "Geometry":
-        """From a HF config (attributes) or a mapping; head_dim defaults to hidden/heads, kv heads to heads."""
+        """From a HF config (attributes) or a mapping; head_dim defaults to hidden/heads, kv heads to
+        heads."""
         if isinstance(config, Geometry):
             return config
         get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))

@@ -1,27 +1,32 @@
 """The one compile driver: a model and a PopConfig in, an engine folder out.
 
-    compile(model, PopConfig(...), out="engines/x", target="onnx")
-      load       models.load_model            a shipped name, a .gguf, a HF folder (or a LoadedModel)
-      calibrate  config.resolve_cut,           the cut for this model's depth; POP+ weights (none | auto | distill
-                 distill.kv_fit               | file); distill reports a "distill" step of its own (minutes)
-      capture    capture.capture              the decode graph (torch.export, explicit KV interface)
-      POP pass   passes.prefill.pop_graphs    the prefill graph (passes/boundary.py or passes/pop.py)
-      export     exporters.targets.TARGETS    ONNX (+ TensorRT plans), or a vLLM folder (no capture, no
-                                              POP pass: vLLM runs the model), written into a staged folder
-      threshold  runtime.open_session         min_prompt_tokens measured on the new folder ("auto")
-      manifest   engine.manifest              written last; the staged folder is renamed into place
+``compile`` runs ``COMPILE_STEPS``, an ordered list of named steps over one ``Compilation`` (the state they
+read and fill in); the progress bar and ``steps()`` read the names from that list:
 
-Everything that can be checked before the model loads is: the config (on construction), the target
-(``preflight``: a GPU for TensorRT), the destination and a calibration file. The folder is staged
-next to ``out`` and swapped in only when complete (fsutil.staged_folder): a failure leaves nothing,
-``force`` replaces only an engine folder. This module reads no flags and prints nothing: the CLI
-(commands/export.py) builds the PopConfig and shows ``progress``.
+    load                  frontend.models.load_model  a shipped name, a .gguf, a HF folder (or a LoadedModel)
+    calibrate             config.resolve_cut,         the cut for this model's depth, resolved once; POP+
+                          kvfit.fit.kv_fit            weights (none | auto | file)
+    distill               kvfit.fit.kv_fit            kv_calibration distill only: POP++ weights (minutes)
+    (cast)                cast_model                  the model in the engine's dtype (no progress name)
+    capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
+    POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
+    <the target's steps>  exporters.targets.TARGETS  ONNX (+ TensorRT plans), or a vLLM folder, written into
+                                                      a staged folder; each target names its own steps
+    measure ...           runtime.open_session        min_prompt_tokens measured on the new folder ("auto")
+
+A target with ``graphs = False`` (vllm: vLLM runs the model) skips capture and the POP pass. Everything that
+can be checked before the model loads is: the config (on construction), the target (``preflight``: a GPU for
+TensorRT), the destination and a calibration file. The folder is staged next to ``out`` and swapped in only
+when complete (fsutil.staged_folder): a failure leaves nothing, ``force`` replaces only an engine folder. This
+module reads no flags and prints nothing: the CLI (commands/export.py) builds the PopConfig and shows
+``progress``.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -32,19 +37,125 @@ from .engine.manifest import BOUNDARIES, EngineManifest
 from .errors import ConfigError
 from .exporters.checks import check_output_folder
 from .exporters.targets import Target, target_for
-from .frontend.capture import capture
+from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
 from .fsutil import destination_lock, staged_folder
 from .kvfit.calibrate import KVFit, read_fit
-from .kvfit.distill import DISTILL_STEP, kv_fit
+from .kvfit.fit import DISTILL_STEP, kv_fit
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
 
 if TYPE_CHECKING:
     from .exporters.vllm import ServingFolder
 
-STEPS = ("load", "calibrate", "capture", "POP pass")
 MEASURE_STEP = "measure min_prompt_tokens"
+
+
+@dataclass
+class Compilation:
+    """One compile's state: the request, then what each step of ``COMPILE_STEPS`` fills in, in order."""
+
+    source: str | Path | LoadedModel
+    config: PopConfig
+    target: Target
+    out: Path
+    force: bool
+    report: Callable[[str], None]
+    early_fit: KVFit | None = None        # a calibration file, read before the model loads
+    loaded: LoadedModel | None = None     # load; calibrate replaces its model by the cast one
+    owned: bool = False                   # load: the driver loaded the model, so it may cast it in place
+    cut: int | None = None                # calibrate: the first pruned layer, resolved once
+    fit: KVFit | None = None              # calibrate or distill: the pruned layers' K/V weights (None: own)
+    captured: CapturedModel | None = None  # capture
+    pair: GraphPair | None = None         # POP pass: decode and prefill graphs
+    folder: Path | None = None            # the staged folder the target writes into
+    manifest: EngineManifest | ServingFolder | None = None  # the target's record, then with its threshold
+
+
+@dataclass(frozen=True)
+class CompileStep:
+    """A named step of ``compile``: ``run`` reads and fills in the Compilation. ``applies``: whether it runs
+    for a (config, target); ``staged``: it writes into the staged output folder; ``names``: the progress names
+    it reports (default its own name; the target's write step reports the target's steps itself)."""
+
+    name: str
+    run: Callable[[Compilation], None]
+    applies: Callable[[PopConfig, Target], bool] = lambda config, target: True
+    staged: bool = False
+    names: Callable[[Target], tuple[str, ...]] | None = None
+
+    def progress_names(self, target: Target) -> tuple[str, ...]:
+        return (self.name,) if self.names is None else self.names(target)
+
+
+def _load(c: Compilation) -> None:
+    owned = not isinstance(c.source, LoadedModel)
+    c.loaded, c.owned = (load_model(c.source) if owned else c.source), owned
+
+
+def _calibrate(c: Compilation) -> None:
+    """The cut for this model; POP+ weights unless distill (its own step); the model in the engine's dtype.
+    ConfigError / InputError before any tracing."""
+    check_max_seq(c.loaded, c.config.max_seq)
+    c.cut = c.config.resolve_cut(c.loaded.model.config.num_hidden_layers)
+    if c.config.kv_calibration.mode != "distill":
+        c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit)
+
+
+def _distill(c: Compilation) -> None:
+    c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration)
+
+
+def _cast(c: Compilation) -> None:
+    """The model in the engine's dtype (after the fits, which run in float32); a copy unless the driver owns
+    it."""
+    model = cast_model(c.loaded.model, c.config.dtype, in_place=c.owned)
+    if model is not c.loaded.model:
+        c.loaded = dataclasses.replace(c.loaded, model=model)
+
+
+def _capture(c: Compilation) -> None:
+    c.captured = capture(c.loaded.model, max_seq=c.config.max_seq)
+
+
+def _pop_pass(c: Compilation) -> None:
+    weights = c.fit and cast_weights(c.fit.weights, c.config.dtype)
+    c.pair = pop_graphs(c.captured, c.cut, weights, c.config.boundary)
+
+
+def _write(c: Compilation) -> None:
+    c.manifest = c.target.write(c.folder, c.loaded, c.cut, c.pair, c.fit, c.config, c.report)
+
+
+def _threshold(c: Compilation) -> None:
+    c.manifest = with_min_prompt_tokens(c.folder, c.manifest, c.config, c.target, c.report)
+
+
+def _graphs(config: PopConfig, target: Target) -> bool:
+    return target.graphs
+
+
+def _distills(config: PopConfig, target: Target) -> bool:
+    return config.kv_calibration.mode == "distill"
+
+
+def _has_runtime(config: PopConfig, target: Target) -> bool:
+    """A folder some popcompile runtime opens: its min_prompt_tokens is recorded (measured when asked for)."""
+    return target.runtime is not None
+
+
+#: the compile, in order (module docstring). ``steps()`` and the progress bar read the names from here.
+COMPILE_STEPS = (
+    CompileStep("load", _load),
+    CompileStep("calibrate", _calibrate),
+    CompileStep(DISTILL_STEP, _distill, applies=_distills),
+    CompileStep("cast", _cast, names=lambda target: ()),
+    CompileStep("capture", _capture, applies=_graphs),
+    CompileStep("POP pass", _pop_pass, applies=_graphs),
+    CompileStep("write", _write, staged=True, names=lambda target: target.steps),
+    # measures min_prompt_tokens (reported as MEASURE_STEP) when asked for and the target has a runtime
+    CompileStep("threshold", _threshold, staged=True, applies=_has_runtime, names=lambda target: ()),
+)
 
 
 def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *, out: str | Path,  # noqa: A001
@@ -53,35 +164,36 @@ def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *,
     """Compile ``model`` with POP into the engine folder ``out``; returns its manifest (module docstring), for
     the vllm target a ServingFolder."""
     config, target, out = config or PopConfig(), target_for(target), Path(out)
-    step = progress or (lambda name: None)
     target.preflight(config)
+    target = target.for_config(config)  # e.g. the attention lowering, decided once for this dtype
+    c = Compilation(model, config, target, out, force, progress or (lambda name: None))
     check_output_folder(out, force)
-    early_fit = read_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
+    c.early_fit = read_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
+    plan = [step for step in COMPILE_STEPS if step.applies(config, target)]
     with destination_lock(out):
         check_output_folder(out, force)  # again: another export may have finished while we waited
-        step("load")
-        loaded, owned = (model, False) if isinstance(model, LoadedModel) else (load_model(model), True)
-        step("calibrate")
-        cut, fit = calibrate(loaded, config, early_fit, step)
-        model = cast_model(loaded.model, config.dtype, in_place=owned)
-        pair = graphs(model, config, cut, fit, step) if target.graphs else None
-        if not target.graphs and model is not loaded.model:
-            loaded = dataclasses.replace(loaded, model=model)
-        with staged_folder(out, replace=force) as tmp:
-            manifest = target.write(tmp, loaded, cut, pair, fit, config, step)
-            if target.runtime is not None:
-                manifest = with_min_prompt_tokens(tmp, manifest, config, target, step)
+        for step in (s for s in plan if not s.staged):
+            _run(step, c)
+        with staged_folder(out, replace=force) as c.folder:
+            for step in (s for s in plan if s.staged):
+                _run(step, c)
             check_output_folder(out, force)  # nothing but an engine folder is ever swapped out
-    return manifest
+    return c.manifest
 
 
-def graphs(model: torch.nn.Module, config: PopConfig, cut: int, fit: KVFit | None,
-           step: Callable[[str], None]) -> GraphPair:
-    """The captured decode graph and its POP prefill graph."""
-    step("capture")
-    captured = capture(model, max_seq=config.max_seq)
-    step("POP pass")
-    return pop_graphs(captured, cut, fit and cast_weights(fit.weights, config.dtype), config.boundary)
+def _run(step: CompileStep, c: Compilation) -> None:
+    if step.names is None:
+        c.report(step.name)
+    step.run(c)
+
+
+def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:
+    """The names ``compile`` reports to ``progress``, in order (for a progress bar's total)."""
+    target = target_for(target).for_config(config)
+    names = [name for step in COMPILE_STEPS if step.applies(config, target)
+             for name in step.progress_names(target)]
+    measure = config.min_prompt_tokens == "auto" and target.runtime is not None
+    return [*names, *[MEASURE_STEP] * measure]
 
 
 def build_graphs(
@@ -94,23 +206,6 @@ def build_graphs(
         raise ConfigError(f"boundary={boundary!r} is not one of {', '.join(BOUNDARIES)}")
     cut = resolve_cut(model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
     return pop_graphs(capture(model, max_seq=max_seq), cut, kv_weights, boundary)
-
-
-def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:
-    """The names ``compile`` reports to ``progress``, in order (for a progress bar's total)."""
-    target = target_for(target)
-    measure = [MEASURE_STEP] if config.min_prompt_tokens == "auto" and target.runtime is not None else []
-    distill = [DISTILL_STEP] if config.kv_calibration.mode == "distill" else []  # after "calibrate"
-    named = [*(STEPS if target.graphs else STEPS[:2])]
-    return [*named[:2], *distill, *named[2:], *target.steps, *measure]
-
-
-def calibrate(loaded: LoadedModel, config: PopConfig, fit: KVFit | None = None,
-              step: Callable[[str], None] | None = None) -> tuple[int, KVFit | None]:
-    """The cut for this model and its POP+ weights (ConfigError / InputError before any tracing)."""
-    check_max_seq(loaded, config.max_seq)
-    cut = config.resolve_cut(loaded.model.config.num_hidden_layers)
-    return cut, kv_fit(loaded.model, loaded.tokenizer, cut, config.kv_calibration, fit, step=step)
 
 
 def check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:
@@ -126,7 +221,8 @@ def with_min_prompt_tokens(folder: Path, manifest: EngineManifest, config: PopCo
     (threshold.py's rule); written to ``folder``."""
     value, record = config.min_prompt_tokens, None
     if value == "auto" and target.runtime == "onnxruntime" and manifest.dtype != "float32":
-        note = "onnxruntime's CPU provider refuses float16 engines: POP for every prompt; give --min-prompt-tokens N"
+        note = ("onnxruntime's CPU provider refuses float16 engines: POP for every prompt; "
+                "give --min-prompt-tokens N")
         warnings.warn(f"--min-prompt-tokens auto: {note}", stacklevel=3)
         value, record = 0, {"method": "not measured", "note": note}
     elif value == "auto":
@@ -143,8 +239,8 @@ def measure_min_prompt_tokens(folder: Path, runtime: str) -> tuple[int, dict]:
     from .runtime.compare import measured_min_prompt_tokens
 
     label = "onnxruntime-cpu" if runtime == "onnxruntime" else runtime
-    value, record = measured_min_prompt_tokens(open_session(folder, runtime=runtime, hash_cache=HashCache(None)),
-                                               label)
+    session = open_session(folder, runtime=runtime, hash_cache=HashCache(None))
+    value, record = measured_min_prompt_tokens(session, label)
     if "note" in record:
         warnings.warn(f"--min-prompt-tokens auto: {record['note']}", stacklevel=4)
     return value, record
@@ -179,8 +275,9 @@ def cast_weights(weights: KVWeights, dtype: str) -> KVWeights:
 
 
 def export(model: str | Path | LoadedModel, out_dir: str | Path, *, force: bool = False,
-           progress: Callable[[str], None] | None = None, target: str | Target = "onnx", **config) -> EngineManifest:
+           progress: Callable[[str], None] | None = None, target: str | Target = "onnx",
+           **config) -> EngineManifest:
     """``compile(model, PopConfig(**config), out=out_dir, target=target)``: the keyword form of the driver
-    (``cut``, ``prune_ratio``, ``boundary``, ``kv_calibration``, ``dtype``, ``max_seq``, ``min_prompt_tokens``,
-    ``cut_choice``: PopConfig's fields)."""
+    (``cut``, ``prune_ratio``, ``boundary``, ``kv_calibration``, ``dtype``, ``max_seq``,
+    ``min_prompt_tokens``, ``cut_choice``: PopConfig's fields)."""
     return compile(model, PopConfig(**config), out=out_dir, force=force, progress=progress, target=target)

@@ -37,10 +37,10 @@ from .passes.layers import find_layers, module_path
 from .passes.static_seq import symbolize_sequence
 from .threshold import FIXED_MIN_PROMPT_TOKENS
 
-#: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it; 0: POP
-#: for every prompt). docs/prompt_length.md: the threshold rule (popcompile/threshold.py, 1.2x) on this backend
-#: (inner eager, 16-2048 tokens) gives 16 for SmolLM2 (1.22x at 16) and 64 for Gemma 3 (1.172x / 1.198x / 1.221x at
-#: 16 / 32 / 64); one default for every model: the larger.
+#: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it;
+#: 0: POP for every prompt). docs/prompt_length.md: the threshold rule (popcompile/threshold.py, 1.2x) on
+#: this backend (inner eager, 16-2048 tokens) gives 16 for SmolLM2 (1.22x at 16) and 64 for Gemma 3
+#: (1.172x / 1.198x / 1.221x at 16 / 32 / 64); one default for every model: the larger.
 MIN_PROMPT_TOKENS = FIXED_MIN_PROMPT_TOKENS
 _OPTION_NAMES = ("prune_ratio", "cut", "inner", "kv_calibration", "min_prompt_tokens")
 
@@ -56,7 +56,8 @@ class PopOptions:
     prune_ratio: float | None = None
     cut: int | None = None
     inner: str | Callable = "inductor"
-    kv_calibration: KVCalibration | str | Path | None = None  # POP+: a file from `popcompile calibrate` (same cut)
+    # POP+: a file from `popcompile calibrate` (same cut)
+    kv_calibration: KVCalibration | str | Path | None = None
     min_prompt_tokens: int = MIN_PROMPT_TOKENS  # shorter prompts run the full graph (chosen per call)
 
     def __post_init__(self) -> None:
@@ -69,12 +70,14 @@ class PopOptions:
             raise ConfigError("pop backend: min_prompt_tokens='auto' is an export option: give an int >= 0 "
                               "(0: POP for every prompt)")
         if config.kv_calibration.fits_now:  # auto, distill: minutes of fitting inside a compile call
-            raise ConfigError(f"pop backend: kv_calibration={config.kv_calibration.mode!r} fits at export time only: "
-                              "make a file with `popcompile calibrate MODEL --out FILE"
-                              f"{' --method distill' if config.kv_calibration.mode == 'distill' else ''}` and give its path")
+            raise ConfigError(f"pop backend: kv_calibration={config.kv_calibration.mode!r} fits at export "
+                              "time only: make a file with `popcompile calibrate MODEL --out FILE"
+                              f"{' --method distill' if config.kv_calibration.mode == 'distill' else ''}"
+                              "` and give its path")
         object.__setattr__(self, "kv_calibration", config.kv_calibration)
         if not (callable(self.inner) or isinstance(self.inner, str)):
-            raise TypeError(f"pop backend: inner={self.inner!r} must be a backend name ('inductor', 'eager') or callable")
+            raise TypeError(f"pop backend: inner={self.inner!r} must be a backend name ('inductor', 'eager') "
+                            "or callable")
 
     @classmethod
     def from_dict(cls, options: Mapping | None) -> PopOptions:
@@ -98,7 +101,8 @@ class GraphRecord:
     cut: int | None = None
     num_layers: int | None = None
     reason: str = ""
-    static_len: int | None = None  # prefill traced at one static length N (dynamo's first call without dynamic=)
+    # prefill traced at one static length N (dynamo's first call without dynamic=)
+    static_len: int | None = None
 
 
 @dataclass(eq=False)  # hashed by identity: dynamo keys its caches by backend
@@ -124,7 +128,8 @@ class PopBackend:
         cut, num_layers, logits_rows, seq, static_len = plan
         if static_len is not None and static_len < opts.min_prompt_tokens:  # this graph only ever sees N
             reason = f"prompt length {static_len} < min_prompt_tokens={opts.min_prompt_tokens}"
-            self.records.append(GraphRecord("prefill-full", before, before, cut, num_layers, reason, static_len))
+            self.records.append(GraphRecord("prefill-full", before, before, cut, num_layers, reason,
+                                            static_len))
             return _inner(opts.inner)(gm, example_inputs)
         pruned = fx.GraphModule(gm, _copy_graph(gm.graph))  # the pass rewrites a copy: gm stays whole
         try:
@@ -136,12 +141,14 @@ class PopBackend:
         self.records.append(GraphRecord(kind, before, len(pruned.graph.nodes), cut, num_layers,
                                         static_len=static_len))
         pop_fn = _inner(opts.inner)(pruned, example_inputs)
-        return _Guarded(pop_fn, lambda: _inner(opts.inner)(gm, example_inputs), self._chooser(gm, logits_rows, seq, opts))
+        return _Guarded(pop_fn, lambda: _inner(opts.inner)(gm, example_inputs),
+                        self._chooser(gm, logits_rows, seq, opts))
 
     def _plan(self, gm: fx.GraphModule, opts: PopOptions):
         layers = find_layers(gm.graph)
         if not layers:
-            return "fallback", "no decoder layers ('layers.<i>' modules with an input_layernorm) in the graph", None
+            return ("fallback",
+                    "no decoder layers ('layers.<i>' modules with an input_layernorm) in the graph", None)
         hidden = layers[0].input.meta.get("example_value")
         if hidden is None or hidden.dim() != 3:
             return "fallback", "the first layer's input has no [batch, seq, hidden] shape", None

@@ -55,18 +55,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def user_write_errors(path: Path) -> Iterator[None]:
-    """A full disk, a quota or a permission while writing ``path``: OutputError naming it (other OSErrors are bugs)."""
+    """A full disk, a quota or a permission while writing ``path``: OutputError naming it (other OSErrors
+    are bugs)."""
     try:
         yield
     except OSError as err:
         if err.errno not in _USER_ERRNOS:
             raise
-        raise OutputError(f"cannot write {path}: {err.strerror} ({err.filename or path}): free space or choose "
-                          "another destination; nothing was replaced") from err
+        raise OutputError(f"cannot write {path}: {err.strerror} ({err.filename or path}): free space or "
+                          "choose another destination; nothing was replaced") from err
 
 
 def check_destination(path: str | Path, flag: str = "--out") -> None:
-    """OutputError unless ``path`` can be created: no file in its parent chain, the nearest folder writable."""
+    """OutputError unless ``path`` can be created: no file in its parent chain, the nearest folder
+    writable."""
     path = Path(path).absolute()
     for parent in path.parents:
         if parent.exists():
@@ -77,7 +79,8 @@ def check_destination(path: str | Path, flag: str = "--out") -> None:
             return
 
 
-_HELD: set[Path] = set()  # locks this process holds: taking one again (export inside the CLI's lock) is a no-op
+# locks this process holds: taking one again (export inside the CLI's lock) is a no-op
+_HELD: set[Path] = set()
 
 
 @contextlib.contextmanager
@@ -100,7 +103,8 @@ def destination_lock(path: str | Path, flag: str = "--out") -> Iterator[None]:
         yield
     finally:
         _HELD.discard(lock)
-        lock.unlink(missing_ok=True)  # before the unlock: a waiter that opened this inode retries on a fresh one
+        # before the unlock: a waiter that opened this inode retries on a fresh one
+        lock.unlink(missing_ok=True)
         os.close(fd)
 
 
@@ -112,7 +116,8 @@ def _acquire(lock: Path, path: Path, flag: str) -> int:
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise OutputError(f"{flag} {path} is being written by another popcompile (pid {owner}, lock {lock}): "
+            raise OutputError(f"{flag} {path} is being written by another popcompile "
+                              f"(pid {owner}, lock {lock}): "
                               f"wait for it to finish or choose another {flag}") from None
         with contextlib.suppress(FileNotFoundError):
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:  # still the live lock file, not one just released

@@ -81,7 +81,8 @@ def hide_positions(model: torch.nn.Module, start: int, hidden: int) -> Iterator[
 def replaced_projections(model: torch.nn.Module, weights: Mapping[int, Mapping[str, Any]]) -> Iterator[None]:
     """The named k/v projections of the given layers compute with replacement weights (POP+)."""
     def hook_for(projection):
-        return lambda module, args, output: torch.nn.functional.linear(args[0], projection.weight, projection.bias)
+        return lambda module, args, output: torch.nn.functional.linear(args[0], projection.weight,
+                                                                       projection.bias)
 
     layers = decoder_layers(model)
     with _removed_after([layers[i].self_attn.get_submodule(part).register_forward_hook(hook_for(p))
@@ -119,7 +120,8 @@ def _removed_after(handles: list) -> Iterator[None]:
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
     """One forward of ``ids`` [B, T] after ``cache``; returns logits [B, T, V]."""
     positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
-    return model(input_ids=ids, position_ids=positions, use_cache=True, **{cache_keyword(model): cache}).logits
+    return model(input_ids=ids, position_ids=positions, use_cache=True,
+                 **{cache_keyword(model): cache}).logits
 
 
 @torch.no_grad()
@@ -169,7 +171,8 @@ class PopRun:
         """A chat's next turn: the cache cut back to its first ``start`` rows, then ``ids`` [B, M] prefilled
         after them on the prefill's schedule (all pruned but the last, with a boundary); logits [B, V]."""
         surplus = self.cache.get_seq_length() - start
-        if surplus:  # a negative count removes rows in every transformers 5.x (a positive one changed meaning)
+        # a negative count removes rows in every transformers 5.x (a positive one changed meaning)
+        if surplus:
             self.cache.crop(-surplus)
         rows = ids.shape[1] - 1 if self.variant.boundary else ids.shape[1]
         logits = None

@@ -90,7 +90,8 @@ def fake_engine(folder: Path) -> Path:
 def fit_file(path: Path, *, cut: int = 2, shape=(KV_WIDTH, HIDDEN), value: float = 0.01,
              layers=range(3, LAYERS)) -> Path:
     """A calibration file shaped like `calibrate`'s, with the given geometry and values."""
-    weights = {i: {part: Projection(torch.full(shape, value)) for part in ("k_proj", "v_proj")} for i in layers}
+    weights = {i: {part: Projection(torch.full(shape, value)) for part in ("k_proj", "v_proj")}
+               for i in layers}
     save_fit(KVFit(CalibrationInfo(cut, LAYERS, 1e-3, 64, "0" * 64), weights), path)
     return path
 
@@ -194,7 +195,8 @@ def test_options_beyond_the_model_fail_before_capture(hf, tmp_path, capsys, args
     (lambda p: fit_file(p, value=math.nan), "non-finite values"),
     (lambda p: fit_file(p, value=math.inf), "non-finite values"),
     (lambda p: fit_file(p, cut=1, layers=range(2, LAYERS)), "fitted for cut 1"),
-], ids=["random-bytes", "empty", "foreign-safetensors", "wrong-shape", "wrong-layers", "nan", "inf", "other-cut"])
+], ids=["random-bytes", "empty", "foreign-safetensors", "wrong-shape", "wrong-layers", "nan", "inf",
+        "other-cut"])
 def test_bad_calibration_file_is_named(hf, tmp_path, capsys, make, culprit):
     fit = tmp_path / "kv.safetensors"
     make(fit)
@@ -205,7 +207,8 @@ def test_bad_calibration_file_is_named(hf, tmp_path, capsys, make, culprit):
 
 
 def test_missing_calibration_file_is_named(hf, tmp_path, capsys):
-    fails(capsys, ["export", hf, "--out", tmp_path / "engine", "--kv-calibration", tmp_path / "nope.safetensors"],
+    fails(capsys, ["export", hf, "--out", tmp_path / "engine", "--kv-calibration",
+                   tmp_path / "nope.safetensors"],
           "nope.safetensors does not exist")
 
 
@@ -280,7 +283,8 @@ def test_second_export_fails_at_once_and_sigterm_leaves_nothing(hf, tmp_path, ca
                             env=dict(os.environ))
     try:
         assert _wait_for(lambda: (tmp_path / ".engine.lock").exists(), 120), proc.stderr.read()
-        fails(capsys, ["export", hf, "--out", out, "--kv-calibration", "none"], f"pid {proc.pid}", within_s=1.0)
+        fails(capsys, ["export", hf, "--out", out, "--kv-calibration", "none"], f"pid {proc.pid}",
+              within_s=1.0)
         partial = tmp_path / f".engine.{proc.pid}.partial"
         assert _wait_for(partial.exists, 240), "the export never reached its staging folder"
         proc.send_signal(signal.SIGTERM)
@@ -293,8 +297,8 @@ def test_second_export_fails_at_once_and_sigterm_leaves_nothing(hf, tmp_path, ca
 
 _SIGNAL_IN_IMPORT = """
 import signal, sys, time
-# as in a foreground interpreter: a suite started in the background (`cmd &`) hands its children SIGINT ignored,
-# which _signals_raise rightly leaves alone
+# as in a foreground interpreter: a suite started in the background (`cmd &`) hands its children SIGINT
+# ignored, which _signals_raise rightly leaves alone
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 from popcompile.cli import Terminated, _signals_raise
@@ -317,8 +321,8 @@ def test_a_signal_inside_an_import_is_raised_after_it(tmp_path, signum):
         code = _SIGNAL_IN_IMPORT.replace("except Terminated", "except KeyboardInterrupt")
     else:
         code = _SIGNAL_IN_IMPORT
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
     printed = done.stdout.split()  # [FINISHED, seconds] once Terminated/KeyboardInterrupt was caught
     assert printed[:1] == ["True"] and float(printed[1]) < 2.0, done.stdout + done.stderr
 
@@ -364,7 +368,8 @@ def test_calibrate_refuses_an_existing_out_and_a_folder(hf, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["kv.safetensors", "kv.json", "config"])
 def test_calibrate_writes_only_its_out_file(hf, tmp_path, name):
-    """No side file: a user's kv.json / config.json beside --out survive, and --out kv.json is the fit itself."""
+    """No side file: a user's kv.json / config.json beside --out survive, and --out kv.json is the fit
+    itself."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(f"t{i % 90}" for i in range(400)))
     for neighbour in ("kv.json", "config.json"):
@@ -387,7 +392,8 @@ def test_calibrate_writes_only_its_out_file(hf, tmp_path, name):
 def test_calibration_text_files_are_named(hf, tmp_path, capsys, flag, content, culprit):
     data = tmp_path / "data.txt"
     data.write_bytes(content)
-    line = fails(capsys, ["calibrate", hf, "--out", tmp_path / "kv.safetensors", flag, data], culprit, within_s=1.0)
+    line = fails(capsys, ["calibrate", hf, "--out", tmp_path / "kv.safetensors", flag, data], culprit,
+                 within_s=1.0)
     assert str(data) in line
     assert not (tmp_path / "kv.safetensors").exists()
 

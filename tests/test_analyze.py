@@ -60,7 +60,8 @@ def test_every_architecture_has_a_tiny_model():
 
 def test_branches_found_in_every_layer(gated):
     arch, _, result = gated
-    assert [(b.layer, b.kind) for b in result.branches] == [(l, k) for l in range(LAYERS) for k in ("attn", "mlp")]
+    assert [(b.layer, b.kind) for b in result.branches] == [(l, k) for l in range(LAYERS)
+                                                            for k in ("attn", "mlp")]
     expected = {"attn": ("self_attn.o_proj", "post_attention_layernorm"),
                 "mlp": ("mlp.down_proj", "post_feedforward_layernorm")}
     for branch in result.branches:
@@ -131,10 +132,12 @@ def test_fisher_first_order_term_matches_finite_difference(gated):
                     gates = torch.ones(BATCH, LAYERS, 2, 2)
                     gates[:, layer, kind, s] += sign * FD_EPS
                     with torch.no_grad():
-                        losses.append(analyze.sequence_losses(result.graph_module, rows, gates, stage, CONTEXT))
+                        losses.append(analyze.sequence_losses(result.graph_module, rows, gates, stage,
+                                                              CONTEXT))
                 fd = (losses[0] - losses[1]).double() / (2 * FD_EPS)
                 exact = grads[:, layer, kind, s]
-                assert ((fd - exact).abs() <= FD_ATOL + FD_RTOL * exact.abs()).all(), (arch, layer, kind, s, fd, exact)
+                assert ((fd - exact).abs() <= FD_ATOL + FD_RTOL * exact.abs()).all(), (
+                    arch, layer, kind, s, fd, exact)
     # not vacuous: most gradients are well above the tolerance, and the last layer's prefill ones are 0
     assert (grads.abs() > 10 * FD_ATOL).float().mean() > 0.7
     assert torch.equal(grads[:, -1, :, 0], torch.zeros(BATCH, 2, dtype=grads.dtype))
@@ -146,7 +149,8 @@ def test_per_sequence_gradients_do_not_depend_on_the_batch():
     rows = windows(batch=3)
     together, losses = analyze.gate_gradients(analyze.capture_scorer(model, 2, CONTEXT + GEN - 1, GEN),
                                               rows, CONTEXT, GEN)
-    alone, _ = analyze.gate_gradients(analyze.capture_scorer(model, 1, CONTEXT + GEN - 1, GEN), rows, CONTEXT, GEN)
+    alone, _ = analyze.gate_gradients(analyze.capture_scorer(model, 1, CONTEXT + GEN - 1, GEN),
+                                      rows, CONTEXT, GEN)
     assert together.shape == (3, LAYERS, 2, 2) and losses.shape == (3,)
     assert torch.allclose(together, alone, rtol=1e-4, atol=1e-6)
     assert not torch.allclose(together[0], together[1])
@@ -301,8 +305,8 @@ def test_cli_writes_table_json_and_plot(tmp_path, fake_loader, capsys):
     text = tmp_path / "in.txt"
     text.write_text(TEXT)
     out = tmp_path / "out"
-    argv = ["analyze", "tiny", "--out", str(out), "--text", str(text), "--samples", "3", "--context-len", "10",
-            "--gen-len", "4", "--budget", "0.3"]
+    argv = ["analyze", "tiny", "--out", str(out), "--text", str(text), "--samples", "3",
+            "--context-len", "10", "--gen-len", "4", "--budget", "0.3"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "recommended cut (budget 30.0%" in printed and (out / "analyze.json").exists()
@@ -337,7 +341,8 @@ def test_cli_defaults_are_the_config_defaults():
     sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("analyze"))
     help_text = " ".join(sub.format_help().split())
     defaults = analyze.AnalyzeConfig()
-    for value in (defaults.samples, defaults.context_len, defaults.gen_len, defaults.budget, defaults.batch_size):
+    for value in (defaults.samples, defaults.context_len, defaults.gen_len, defaults.budget,
+                  defaults.batch_size):
         assert f"(default {value})" in help_text
 
 

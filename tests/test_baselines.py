@@ -1,5 +1,5 @@
-"""The seed paper's other baselines (measure/eval/baselines.py): Wanda and SliceGPT as weight transforms swapped
-into reference.Variant, on tiny random models."""
+"""The seed paper's other baselines (measure/eval/baselines.py): Wanda and SliceGPT as weight transforms
+swapped into reference.Variant, on tiny random models."""
 from __future__ import annotations
 
 import math
@@ -82,7 +82,8 @@ def test_slicegpt_without_slicing_is_the_same_model(model_type, batches):
 def test_slicegpt_slices_a_quarter_of_the_hidden_dimension(model, batches):
     weights = baselines.slicegpt_weights(model, batches)
     d, k = 64, 48
-    assert weights["model.embed_tokens.weight"].shape == (97, k) and weights["lm_head.weight"].shape == (97, k)
+    assert (weights["model.embed_tokens.weight"].shape == (97, k)
+            and weights["lm_head.weight"].shape == (97, k))
     assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (64, k)
     assert weights["model.layers.2.mlp.up_proj.weight"].shape == (128, k)
     assert weights["model.layers.0.self_attn.o_proj.weight"].shape == (k, 64)
@@ -120,7 +121,8 @@ def test_the_swap_restores_the_model_exactly(model, batches):
         assert p is objects[name] and torch.equal(p, before[name]), name
     with pytest.raises(RuntimeError), reference.swapped_parameters(model, weights):
         raise RuntimeError("restored on errors too")
-    assert model.lm_head.weight is embedding and model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
+    assert (model.lm_head.weight is embedding
+            and model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64))
 
 
 def test_gemma3_refuses_slicegpt(batches, monkeypatch):
@@ -128,11 +130,12 @@ def test_gemma3_refuses_slicegpt(batches, monkeypatch):
     with pytest.raises(ConfigError, match="not rotation invariant") as refused:
         baselines.slicegpt_weights(gemma, batches)
     assert "\n" not in str(refused.value) and "gemma3_text" in str(refused.value)
-    assert "slicegpt" not in scoring.default_variant_names(gemma) and "wanda" in scoring.default_variant_names(gemma)
+    assert ("slicegpt" not in scoring.default_variant_names(gemma)
+            and "wanda" in scoring.default_variant_names(gemma))
     assert "slicegpt" in scoring.default_variant_names(tiny_model("llama", layers=2))
     loaded = LoadedModel(gemma, CharTokenizer(), ModelSource("tiny", "folder", "tiny", None))
-    config = EvalConfig(tasks=("continuation",), variants=("pop-kvfit", "slicegpt"), cut=2, limit=1, prefix_len=24,
-                        cont_len=8)
+    config = EvalConfig(tasks=("continuation",), variants=("pop-kvfit", "slicegpt"), cut=2, limit=1,
+                        prefix_len=24, cont_len=8)
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibrated before refusing slicegpt")
     monkeypatch.setattr(eval_run, "default_kv_fit", lambda *args: no_calibration)
@@ -142,7 +145,8 @@ def test_gemma3_refuses_slicegpt(batches, monkeypatch):
     assert len(wanda) == LAYERS * 7 and all((w == 0).any() for w in wanda.values())
 
 
-@pytest.mark.parametrize("options", [dict(sparsity=1.0), dict(sparsity=-0.1), dict(slicing=True), dict(slicing="1")])
+@pytest.mark.parametrize("options", [dict(sparsity=1.0), dict(sparsity=-0.1), dict(slicing=True),
+                                     dict(slicing="1")])
 def test_options_are_fractions(options):
     with pytest.raises(ConfigError, match="must be a fraction"):
         baselines.BaselineOptions(**options)
@@ -169,7 +173,8 @@ def test_eval_runs_the_baselines_end_to_end(model):
     config = EvalConfig(tasks=("continuation", "generation"), variants=("wanda", "slicegpt"), limit=2,
                         prefix_len=24, cont_len=8, gen_tokens=4)
     results = eval_run.reference_eval(loaded, "tiny", config)
-    assert results["variants"]["wanda"]["cut"] == LAYERS and results["variants"]["wanda"]["weights_replaced"] == 28
+    assert (results["variants"]["wanda"]["cut"] == LAYERS
+            and results["variants"]["wanda"]["weights_replaced"] == 28)
     assert results["variants"]["full"]["weights_replaced"] == 0
     cont, gen = results["tasks"]["continuation"]["variants"], results["tasks"]["generation"]["variants"]
     assert set(cont) == set(gen) == {"full", "wanda", "slicegpt"}

@@ -50,7 +50,7 @@ def test_cut_equal_to_layers_changes_nothing(tmp_path):
     model = tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match="prunes nothing"):
         fit_kv(model, [torch.randint(0, 97, (1, 8))], 4)
-    from popcompile.kvfit.distill import kv_fit
+    from popcompile.kvfit.fit import kv_fit
 
     assert kv_fit(model, None, 4, "auto") is None
 
@@ -61,11 +61,13 @@ def test_save_load_roundtrip_and_mismatch(tmp_path):
         fit = fit_kv(model, [torch.randint(0, 97, (2, 16))], 2)
     save_fit(fit, tmp_path / "kv.safetensors")
     loaded = load_fit(tmp_path / "kv.safetensors")
-    assert loaded.info == fit.info and [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]  # no side file
+    # no side file
+    assert loaded.info == fit.info and [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]
     for i, parts in fit.weights.items():
         for part, p in parts.items():
             assert torch.equal(loaded.weights[i][part].weight, p.weight)
-            assert p.bias is not None and torch.equal(loaded.weights[i][part].bias, p.bias)  # qwen2 has biases
+            # qwen2 has biases
+            assert p.bias is not None and torch.equal(loaded.weights[i][part].bias, p.bias)
     with pytest.raises(ValueError, match="re-run `popcompile calibrate --cut 3`"):
         check_fit(loaded, 3, 4)
     with pytest.raises(ValueError, match="does not exist"):
@@ -74,11 +76,13 @@ def test_save_load_roundtrip_and_mismatch(tmp_path):
 
 #: ONNX ops that move or select data (no arithmetic on the sequence's rows)
 MOVEMENT = {"Slice", "Transpose", "Unsqueeze", "Squeeze", "Reshape", "Concat", "ScatterND", "ScatterElements",
-            "Expand", "Shape", "Gather", "Identity", "Cast", "Range", "Constant", "ConstantOfShape", "Sub", "Add"}
+            "Expand", "Shape", "Gather", "Identity", "Cast", "Range", "Constant", "ConstantOfShape", "Sub",
+            "Add"}
 
 
 def _prefill_ops(folder) -> Counter:
-    return Counter(n.op_type for n in onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph.node)
+    return Counter(n.op_type
+                   for n in onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph.node)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -139,7 +143,8 @@ def test_smollm2_refit_reduces_kv_error_on_held_out_text():
 def test_one_pass_fit_of_every_cut_equals_fit_kv(arch, bias):
     """fit_kv_cuts solves the same ridge problems as fit_kv from shared moments (RMS norm = scale * unit
     norm; Gemma 3's scale is 1 + w; Qwen2 has biases). Float64 moments of float32 activations: the
-    weights agree to 1e-5 of their scale (measured 1e-7) (float32 rounding of x = norm(h) in fit_kv is the difference)."""
+    weights agree to 1e-5 of their scale (measured 1e-7) (float32 rounding of x = norm(h) in fit_kv is the
+    difference)."""
     from popcompile.kvfit.calibrate import fit_kv_cuts
 
     model = tiny_model(arch, layers=5)
@@ -150,7 +155,8 @@ def test_one_pass_fit_of_every_cut_equals_fit_kv(arch, bias):
         single = {cut: fit_kv(model, batches, cut, bias=bias) for cut in (2, 3)}
     assert set(fits) == {2, 3, 4} and fits[4].weights == {}  # cut L-1: layer L-1 reads h_{L-1} anyway
     for cut, fit in single.items():
-        assert fits[cut].info == fit.info and set(fits[cut].weights) == set(fit.weights) == set(range(cut + 1, 5))
+        assert (fits[cut].info == fit.info
+                and set(fits[cut].weights) == set(fit.weights) == set(range(cut + 1, 5)))
         for layer, parts in fit.weights.items():
             for part, p in parts.items():
                 q = fits[cut].weights[layer][part]
@@ -180,8 +186,9 @@ def test_bias_is_fitted_for_every_projection_when_asked_and_recorded(tmp_path):
     for bias, fit in fits.items():
         assert fit.info.bias is bias
         for parts in fit.weights.values():
-            for part, p in parts.items():
-                assert (p.bias is not None) == bias and (not bias or tuple(p.bias.shape) == (p.weight.shape[0],))
+            for p in parts.values():
+                assert ((p.bias is not None) == bias
+                        and (not bias or tuple(p.bias.shape) == (p.weight.shape[0],)))
     save_fit(fits[True], tmp_path / "kv.safetensors")
     assert load_fit(tmp_path / "kv.safetensors").info.bias is True
     with pytest.raises(ValueError, match="bias='yes' must be True"):
@@ -222,7 +229,8 @@ def test_shape_check_takes_a_fitted_bias_and_refuses_a_wrong_one():
         fit = fit_kv(model, [torch.randint(0, 97, (2, 16))], 2, bias=True)
     check_fit_shapes(fit, model)  # a bias [out] where llama's k/v projections have none
     k = fit.weights[3]["k_proj"]
-    bad = KVFit(fit.info, {3: {**fit.weights[3], "k_proj": Projection(k.weight, torch.zeros(k.weight.shape[0] + 1))}})
+    bad = KVFit(fit.info,
+                {3: {**fit.weights[3], "k_proj": Projection(k.weight, torch.zeros(k.weight.shape[0] + 1))}})
     with pytest.raises(ValueError, match=r"layer 3 k_proj: shapes .*\(33,\).* do not match"):
         check_fit_shapes(bad, model)
     qwen = tiny_model("qwen2", layers=4)
@@ -260,7 +268,8 @@ def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
     manifest = EngineManifest.read(folder)
     prompt = torch.randint(0, 97, (1, 13))  # longer than the tiny sliding windows (4, 5)
     n = prompt.shape[1]
-    feeds = {"input_ids": prompt.numpy(), "position_ids": np.arange(n)[None], "attention_mask": np.ones((1, n), np.int64),
+    feeds = {"input_ids": prompt.numpy(), "position_ids": np.arange(n)[None],
+             "attention_mask": np.ones((1, n), np.int64),
              **dict(zip(manifest.kv_layout.past_names, (t.numpy() for t in empty_past(manifest.kv_layout))))}
     logits, *kv = PopSession(folder).sessions["prefill"].run(None, feeds)
     variant = reference.Variant(2, kv_weights=fit.weights)
@@ -271,9 +280,10 @@ def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
         plain = reference.prefill_cache(model, prompt[:, :-1], 2)
     np.testing.assert_allclose(logits, first, atol=ONNX_ATOL, rtol=0)
     for i, (layer, true) in enumerate(zip(rows.layers, run.cache.layers)):
-        for name, got, want, last in (("K", kv[2 * i], layer.keys, true.keys), ("V", kv[2 * i + 1], layer.values,
-                                                                                 true.values)):
-            np.testing.assert_allclose(got[:, :, :-1], want.numpy(), rtol=KV_TOL, atol=KV_TOL, err_msg=f"{name} {i}")
+        for name, got, want, last in (("K", kv[2 * i], layer.keys, true.keys),
+                                      ("V", kv[2 * i + 1], layer.values, true.values)):
+            np.testing.assert_allclose(got[:, :, :-1], want.numpy(), rtol=KV_TOL, atol=KV_TOL,
+                                       err_msg=f"{name} {i}")
             np.testing.assert_allclose(got[:, :, -1:], last[:, :, -1:].numpy(), rtol=KV_TOL, atol=KV_TOL,
                                        err_msg=f"{name} {i} (x_N)")
     assert (rows.layers[3].values - plain.layers[3].values).abs().max() > 1e-3, "the fit must change layer 3"
@@ -301,7 +311,8 @@ def test_bias_fit_engines_quantise_and_pass_the_tensorrt_check(tmp_path):
     assert len(biased) == 1 and producer[biased[0].input[0]].op_type == "MatMulNBits"  # layer 3's [bk|bv]
     manifest = EngineManifest.read(folders["float"])
     prompt = np.random.default_rng(0).integers(0, 97, (1, 11))
-    feeds = {"input_ids": prompt, "position_ids": np.arange(11)[None], "attention_mask": np.ones((1, 11), np.int64),
+    feeds = {"input_ids": prompt, "position_ids": np.arange(11)[None],
+             "attention_mask": np.ones((1, 11), np.int64),
              **dict(zip(manifest.kv_layout.past_names, (t.numpy() for t in empty_past(manifest.kv_layout))))}
     want, got = (PopSession(folders[f]).sessions["prefill"].run(None, feeds) for f in ("float", "int8"))
     for a, b in zip(got, want):

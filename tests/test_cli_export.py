@@ -75,6 +75,7 @@ def test_calibrate_on_the_users_jsonl_then_export_with_it(tiny_folder, tmp_path)
 def test_calibrate_names_a_bad_jsonl_before_loading_the_model(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 3}\n')
-    assert main(["calibrate", "not-a-model", "--out", str(tmp_path / "kv.safetensors"), "--jsonl", str(bad)]) == 2
+    assert main(["calibrate", "not-a-model", "--out", str(tmp_path / "kv.safetensors"),
+                 "--jsonl", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"--jsonl {bad}: JSONL line 1" in err and "not-a-model" not in err

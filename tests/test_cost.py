@@ -21,7 +21,8 @@ def test_llama_8b_bound_matches_design():
 
 @pytest.mark.parametrize("n_tokens", [1024, 2048])
 def test_smollm2_bound_matches_design(n_tokens):
-    # docs/benchmarks.md: the bound at cut 20/30 is 1.460x (1024 tokens) and 1.465x (2048); ORT measured 1.41-1.44x.
+    # docs/benchmarks.md: the bound at cut 20/30 is 1.460x (1024 tokens) and 1.465x (2048);
+    # ORT measured 1.41-1.44x.
     assert speedup_bound(SMOLLM2_135M, n_tokens, 20) == pytest.approx(1.46, abs=0.01)
 
 

@@ -29,18 +29,21 @@ from popcompile.reference import Variant
 
 ARCHS = sorted(ARCHITECTURES)
 CUT, LAYERS, CONT = 2, 4, 8
-LOGITS_ATOL = 1e-4  # float32: the fast path runs the boundary and continuation in one forward, the reference in two
+# float32: the fast path runs the boundary and continuation in one forward, the reference in two
+LOGITS_ATOL = 1e-4
 KL_ATOL = 1e-4      # the brief's bound on the step-0 loss against the eager reference
 
 
 def sharp_model(arch: str) -> torch.nn.Module:
     """A tiny model whose final norm is scaled up: peaked distributions, so KLs are O(0.1), not O(1e-5)
-    (on the plain random model a wrong cache would still pass a 1e-4 KL bound). Gemma 3 with both soft-caps."""
+    (on the plain random model a wrong cache would still pass a 1e-4 KL bound). Gemma 3 with both
+    soft-caps."""
     extra = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if arch == "gemma3_text" else {}
     model = tiny_model(arch, layers=LAYERS, **extra)
     with torch.no_grad():
         norm = model.get_decoder().norm.weight
-        norm.copy_(20 * (1 + norm) - 1 if arch == "gemma3_text" else 20 * norm)  # Gemma's norm scales by 1 + w
+        # Gemma's norm scales by 1 + w
+        norm.copy_(20 * (1 + norm) - 1 if arch == "gemma3_text" else 20 * norm)
     return model
 
 
@@ -76,7 +79,8 @@ def test_fast_path_is_pop(arch):
     ridge = fit_kv(model, [ids], CUT)
     full, pop = pop_continuation_logits(model, ids, CUT, ridge.weights, CONT)
     assert (full - reference_logits(model, ids, Variant(LAYERS))).abs().max() <= LOGITS_ATOL
-    assert (pop - reference_logits(model, ids, Variant(CUT, kv_weights=ridge.weights))).abs().max() <= LOGITS_ATOL
+    assert ((pop - reference_logits(model, ids, Variant(CUT, kv_weights=ridge.weights))).abs().max()
+            <= LOGITS_ATOL)
     kls = {}
     for name, fit in (("ridge", ridge), ("pop", plain_pop(model, ridge))):
         kls[name] = continuation_kl(model, ids, CUT, fit.weights, CONT)
@@ -97,7 +101,8 @@ def test_distillation_lowers_held_out_kl(arch, tmp_path):
     held = ids[list(result.held_out)]
     assert len(result.held_out) == 8
     assert result.initial_kl == pytest.approx(continuation_kl(model, held, CUT, init.weights, 16), abs=1e-6)
-    assert result.best_kl == pytest.approx(continuation_kl(model, held, CUT, result.fit.weights, 16), abs=1e-6)
+    assert result.best_kl == pytest.approx(continuation_kl(model, held, CUT, result.fit.weights, 16),
+                                           abs=1e-6)
     assert all(torch.equal(p, before[name]) and p.requires_grad and p.grad is None
                for name, p in model.named_parameters())
     save_fit(result.fit, tmp_path / "kv.safetensors")
@@ -257,7 +262,8 @@ def test_too_little_text_for_a_held_out_split_is_one_line(hf, tmp_path, capsys, 
 
 def test_calibrate_distill_writes_a_distilled_fit(hf, tmp_path, capsys, corpus):
     out = tmp_path / "kv.safetensors"
-    assert main(["calibrate", str(hf), "--out", str(out), "--cut", "2", "--seq-len", "64", "--text", str(corpus),
+    assert main(["calibrate", str(hf), "--out", str(out), "--cut", "2", "--seq-len", "64",
+                 "--text", str(corpus),
                  "--method", "distill", "--steps", "6", "--lr", "1e-3", "--seed", "3"]) == 0
     printed = capsys.readouterr().out
     fit = load_fit(out)
@@ -266,4 +272,5 @@ def test_calibrate_distill_writes_a_distilled_fit(hf, tmp_path, capsys, corpus):
     ridge = tmp_path / "ridge.safetensors"
     assert main(["calibrate", str(hf), "--out", str(ridge), "--cut", "2", "--seq-len", "64",
                  "--text", str(corpus)]) == 0
-    assert load_fit(ridge).info.method == "ridge" and load_fit(ridge).info.corpus_sha256 == fit.info.corpus_sha256
+    assert (load_fit(ridge).info.method == "ridge"
+            and load_fit(ridge).info.corpus_sha256 == fit.info.corpus_sha256)

@@ -1,4 +1,5 @@
-"""The compile driver (driver.py) and its config (config.py): one request object, one function, named steps."""
+"""The compile driver (driver.py) and its config (config.py): one request object, one function, named
+steps."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,8 @@ def fit_file(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("field, value, flag", [
     ("cut", 0, "--cut 0 (cut=0)"), ("cut", True, "--cut True"), ("prune_ratio", 1.0, "--prune-ratio 1.0"),
     ("prune_ratio", float("nan"), "--prune-ratio nan"), ("boundary", "inside", "--boundary 'inside'"),
-    ("dtype", "int8", "--dtype 'int8'"), ("max_seq", 4, "--max-seq 4"), ("min_prompt_tokens", -1, "--min-prompt-tokens -1"),
+    ("dtype", "int8", "--dtype 'int8'"), ("max_seq", 4, "--max-seq 4"),
+    ("min_prompt_tokens", -1, "--min-prompt-tokens -1"),
     ("min_prompt_tokens", "often", "--min-prompt-tokens 'often'"), ("kv_calibration", 3, "kv_calibration=3"),
 ])
 def test_config_names_the_bad_field_as_flag_and_keyword(field, value, flag):
@@ -53,8 +55,10 @@ def test_config_names_the_bad_field_as_flag_and_keyword(field, value, flag):
 
 def test_config_is_frozen_and_normalises_kv_calibration(fit_file):
     config = PopConfig(kv_calibration=str(fit_file))
-    assert config.kv_calibration == KVCalibration("file", fit_file) and str(config.kv_calibration) == str(fit_file)
-    assert PopConfig().kv_calibration.mode == "auto" and PopConfig(kv_calibration=None).kv_calibration.mode == "none"
+    assert (config.kv_calibration == KVCalibration("file", fit_file)
+            and str(config.kv_calibration) == str(fit_file))
+    assert (PopConfig().kv_calibration.mode == "auto"
+            and PopConfig(kv_calibration=None).kv_calibration.mode == "none")
     assert PopConfig(kv_calibration=True).kv_calibration.mode == "auto"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.cut = 3
@@ -65,8 +69,10 @@ def test_config_is_frozen_and_normalises_kv_calibration(fit_file):
 
 
 def test_distill_is_a_kv_calibration_mode_and_a_misspelling_names_the_modes():
-    assert KVCalibration.of("distill") == KVCalibration("distill") == PopConfig(kv_calibration="distill").kv_calibration
-    assert KVCalibration("distill").fits_now and KVCalibration("auto").fits_now and not KVCalibration("none").fits_now
+    assert (KVCalibration.of("distill") == KVCalibration("distill")
+            == PopConfig(kv_calibration="distill").kv_calibration)
+    assert (KVCalibration("distill").fits_now and KVCalibration("auto").fits_now
+            and not KVCalibration("none").fits_now)
     for bad in ("distil", "Distill"):
         with pytest.raises(ConfigError) as err:
             PopConfig(kv_calibration=bad)
@@ -108,7 +114,8 @@ def test_targets_registry():
     assert target_for("onnx") == OnnxTarget() and target_for("tensorrt") == TensorRTTarget()
     custom = TensorRTTarget(TrtBuildConfig(precision="fp16"))
     assert target_for(custom) is custom
-    with pytest.raises(ConfigError, match="'tflite' is not an export target: choose one of onnx, tensorrt, vllm"):
+    with pytest.raises(ConfigError,
+                       match="'tflite' is not an export target: choose one of onnx, tensorrt, vllm"):
         target_for("tflite")
 
 
@@ -118,7 +125,8 @@ def test_unknown_target_fails_before_anything(tiny_folder, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(has_tensorrt_gpu(), reason="checks the no-GPU path: this machine has an NVIDIA GPU and tensorrt")
+@pytest.mark.skipif(has_tensorrt_gpu(),
+                    reason="checks the no-GPU path: this machine has an NVIDIA GPU and tensorrt")
 def test_tensorrt_target_without_gpu_fails_before_the_model_loads(tmp_path):
     started = time.monotonic()
     with pytest.raises(TensorRTUnavailable, match="NVIDIA GPU"):
@@ -132,7 +140,8 @@ def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_
     seen: list[str] = []
     manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
     assert seen == steps(config) == ["load", "calibrate", "capture", "POP pass", "export decode graph",
-                                     "export prefill graph", "fuse attention for onnxruntime", "write engine folder"]
+                                     "export prefill graph", "fuse attention for onnxruntime",
+                                     "write engine folder"]
     on_disk = EngineManifest.read(tmp_path / "engine")
     assert on_disk == manifest and manifest.cut == 4 and manifest.kv_layout.max_seq == 64
     assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}
@@ -146,8 +155,8 @@ def test_the_vllm_target_writes_no_graphs_and_measures_nothing(tiny_folder, tmp_
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loaded = LoadedModel(model, tiny_tokenizer(97), ModelSource("tiny", "folder", "tiny", None))
     seen: list[str] = []
-    folder = compile(loaded, PopConfig(cut=4, kv_calibration=fit_file, dtype="float16"), out=tmp_path / "served",
-                     target="vllm", progress=seen.append)
+    folder = compile(loaded, PopConfig(cut=4, kv_calibration=fit_file, dtype="float16"),
+                     out=tmp_path / "served", target="vllm", progress=seen.append)
     assert seen == steps(PopConfig(), "vllm") == ["load", "calibrate", "write vLLM folder"]
     assert (folder.cut, folder.dtype, folder.kv_weights) == (4, "float16", "pop_kv.safetensors")
     assert sorted(p.name for p in (tmp_path / "served").iterdir()) == [
@@ -168,12 +177,14 @@ def test_compile_keeps_the_callers_model(tiny_folder, tmp_path):
 
 
 def test_cli_cut_auto_with_a_calibration_file_is_refused_before_work(tiny_folder, tmp_path, fit_file, capsys):
-    """The file was fitted for one cut; --cut auto would choose (minutes), then fail unless they happened to agree."""
+    """The file was fitted for one cut; --cut auto would choose (minutes), then fail unless they happened
+    to agree."""
     started = time.monotonic()
     assert main(["export", str(tiny_folder), "--out", str(tmp_path / "engine"), "--cut", "auto",
                  "--kv-calibration", str(fit_file)]) == 2
     err = capsys.readouterr().err
-    assert "fitted for cut 4: give --cut 4, or --kv-calibration auto" in err and len(err.strip().splitlines()) == 1
+    assert ("fitted for cut 4: give --cut 4, or --kv-calibration auto" in err
+            and len(err.strip().splitlines()) == 1)
     assert time.monotonic() - started < 10.0 and not (tmp_path / "engine").exists()
 
 

@@ -98,7 +98,8 @@ def test_prefill_graph_runs_deep_layers_on_the_last_position_only():
             assert not last and len(whole) == 7
         else:  # K/V over all positions; q, o and the MLP on x_N alone
             assert whole == ["self_attn.k_proj", "self_attn.v_proj"]
-            assert last == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj"]
+            assert last == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.o_proj",
+                            "self_attn.q_proj"]
 
 
 def test_cut_at_depth_equals_plain_generate():
@@ -195,7 +196,8 @@ def test_static_sequence_length_is_pruned_too():
 
 def test_all_position_logits_run_the_full_graph():
     model, ids = tiny_model("llama", layers=6), prompt()
-    backend = PopBackend(PopOptions(cut=3, inner="eager", min_prompt_tokens=ALWAYS))  # full only for the logits
+    # full only for the logits
+    backend = PopBackend(PopOptions(cut=3, inner="eager", min_prompt_tokens=ALWAYS))
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with pytest.warns(PopFallbackWarning, match="logits_to_keep=1"):
         got = compiled(ids).logits  # every position, as a training-style forward asks
@@ -212,7 +214,8 @@ def test_options_are_validated():
         PopOptions(prune_ratio=1.5)
     assert PopOptions.from_dict({"prune_ratio": 0.5}).resolve_cut(30) == 15
     assert PopOptions().resolve_cut(30) == 20
-    for mode, fix in (("auto", "--out FILE`"), ("distill", "--out FILE --method distill`")):  # minutes of fitting
+    # minutes of fitting
+    for mode, fix in (("auto", "--out FILE`"), ("distill", "--out FILE --method distill`")):
         with pytest.raises(ConfigError, match=f"kv_calibration='{mode}' fits at export time only.*{fix}"):
             PopOptions(kv_calibration=mode)
 

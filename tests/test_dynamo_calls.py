@@ -1,4 +1,5 @@
-"""torch.compile(backend="pop") as users call it: no dynamic=, the whole module, model.compile, min_prompt_tokens.
+"""torch.compile(backend="pop") as users call it: no dynamic=, the whole module, model.compile,
+min_prompt_tokens.
 
 Tiny models, inner "eager" (fp32, the same kernels as the reference: logits within TOL). The real-model
 tests (SmolLM2-135M, Gemma 3 270M) use inner "eager" too: greedy tokens equal the reference exactly.
@@ -197,8 +198,9 @@ REAL = {"smollm2-135m": 20, "gemma3-270m": 12}  # default cut: 1/3 of 30 / 18 la
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_model_generate_without_dynamic_equals_eager_pop(name):
-    """The issue's call, no dynamic= and the default min_prompt_tokens: the first prompt and a second of another
-    length give the eager POP reference's greedy tokens exactly (inner "eager": the reference's kernels)."""
+    """The issue's call, no dynamic= and the default min_prompt_tokens: the first prompt and a second of
+    another length give the eager POP reference's greedy tokens exactly (inner "eager": the reference's
+    kernels)."""
     from popcompile.frontend.models import load_model
 
     loaded = load_model(name)
@@ -214,7 +216,8 @@ def test_real_model_generate_without_dynamic_equals_eager_pop(name):
              "machine, assigns registers and writes the object file. Between the front end and the"]
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
     # both at least MIN_PROMPT_TOKENS long: the backend's defaults prune them, no option needed
-    assert prompts[0].shape[1] != prompts[1].shape[1] and min(p.shape[1] for p in prompts) >= MIN_PROMPT_TOKENS
+    assert (prompts[0].shape[1] != prompts[1].shape[1]
+            and min(p.shape[1] for p in prompts) >= MIN_PROMPT_TOKENS)
     want = [reference.generate(model, ids, 10, reference.Variant(REAL[name])) for ids in prompts]
     from popcompile.dynamo import pop  # the instance behind backend="pop"
 
@@ -242,10 +245,12 @@ def test_static_batches_prune_unless_batch_equals_the_length(batch, length, prun
         backend = PopBackend(PopOptions(cut=cut, inner="eager", min_prompt_tokens=ALWAYS))
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
-            results[name] = torch.compile(model, backend=backend, dynamic=dynamic)(ids, logits_to_keep=1).logits
+            results[name] = torch.compile(model, backend=backend, dynamic=dynamic)(
+                ids, logits_to_keep=1).logits
         if name == "static":
             ours = [str(w.message) for w in caught if issubclass(w.category, PopFallbackWarning)]
             assert (not ours) if pruned else ("batch size too" in ours[0])
     assert (results["static"] - results["dynamic" if pruned else "full"]).abs().max() < TOL
-    if pruned:  # (with B == N, dynamo's duck sizing gives the dynamic graph one symbol for both: unpruned too)
+    # (with B == N, dynamo's duck sizing gives the dynamic graph one symbol for both: unpruned too)
+    if pruned:
         assert (results["dynamic"] - results["full"]).abs().max() > 1e-3

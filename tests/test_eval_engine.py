@@ -43,7 +43,8 @@ def docs(session):
     """5 documents of 20 + 8 random words, tokenized by the engine's own tokenizer (one id per word)."""
     rng = np.random.default_rng(0)
     texts = [(f"doc{i}", " ".join(f"t{w}" for w in rng.integers(0, 94, 28))) for i in range(5)]
-    found, _ = eval_data.make_documents({"random": texts}, eval_engine.EvalTokenizer(session.tokenizer), 20, 8)
+    found, _ = eval_data.make_documents({"random": texts}, eval_engine.EvalTokenizer(session.tokenizer),
+                                        20, 8)
     assert len(found) == 5 and all(3 <= t < 97 for d in found for t in d.prefix + d.continuation)
     return found
 
@@ -59,8 +60,10 @@ def test_continuation_scores_equal_the_reference(session, model, docs):
         assert e["nll"] == pytest.approx(r["nll"], abs=NLL_TOL)
         assert e["doc_nll"] == pytest.approx(r["doc_nll"], abs=NLL_TOL)
         assert e["kl_to_full"] == pytest.approx(r["kl_to_full"], abs=NLL_TOL)
-        assert (e["agreement"], e["accuracy"], e["doc_agreement"]) == (r["agreement"], r["accuracy"], r["doc_agreement"])
-    assert engine["pop"]["kl_to_full"] > 0 and engine["pop"]["nll"] != engine["full"]["nll"]  # the cut is real
+        assert (e["agreement"], e["accuracy"], e["doc_agreement"]) == (r["agreement"], r["accuracy"],
+                                                                       r["doc_agreement"])
+    # the cut is real
+    assert engine["pop"]["kl_to_full"] > 0 and engine["pop"]["nll"] != engine["full"]["nll"]
 
 
 def test_full_against_itself_agrees_everywhere(session, docs):
@@ -87,8 +90,9 @@ def test_generation_equals_the_reference(session, model):
 
 def test_cli_scores_an_engine_folder(folder, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["eval", str(folder), "--tasks", "continuation,generation", "--limit", "2", "--prefix-len", "24",
-                 "--cont-len", "6", "--gen-tokens", "4", "--threads", "1", "--out", str(out)]) == 0
+    assert main(["eval", str(folder), "--tasks", "continuation,generation", "--limit", "2",
+                 "--prefix-len", "24", "--cont-len", "6", "--gen-tokens", "4", "--threads", "1",
+                 "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["engine"] == str(folder) and results["cut"] == CUT and results["num_layers"] == LAYERS
     assert results["kv_calibration"] is None and results["variants"]["pop"]["mode"] == "pop"
@@ -102,7 +106,8 @@ def test_humaneval_runs_on_an_engine(folder, tmp_path):
     results = run.run_eval(str(folder), tmp_path, tasks=["humaneval"], limit=1, code_tokens=4,
                                 allow_code_exec=True, timeout=5.0, threads=1)
     h = results["tasks"]["humaneval"]
-    assert h["problems"] == 1 and h["prompt_format"] == "raw" and h["variants"]["full"]["identical_to_full"] == 1.0
+    assert (h["problems"] == 1 and h["prompt_format"] == "raw"
+            and h["variants"]["full"]["identical_to_full"] == 1.0)
     assert h["variants"]["pop"]["pass@1"] == 0.0  # random weights write no working code
 
 
@@ -128,8 +133,10 @@ def test_engine_options_need_an_engine_folder(tmp_path, capsys):
 def test_pop_variant_prunes_whatever_the_engines_min_prompt_tokens(folder, model):
     """`run` prefills prompts shorter than min_prompt_tokens in full; eval's pop variant scores POP itself."""
     session = PopSession(folder, threads=1, min_prompt_tokens=1000)
-    prompts = [[int(t) for t in np.random.default_rng(3).integers(3, 97, n)] for n in (7, 12)]  # POP != full here
+    # POP != full here
+    prompts = [[int(t) for t in np.random.default_rng(3).integers(3, 97, n)] for n in (7, 12)]
     assert session.generate([prompts[0]], eval_engine.SamplingConfig(max_new_tokens=1))[0].prefill == "full"
     engine = scoring.compare_generations(prompts, ["full", "pop"], eval_engine.session_generate(session, 8))
-    assert engine == scoring.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)}, 8, EOS)
+    assert engine == scoring.generation_eval(model, prompts, {"full": Variant(LAYERS), "pop": Variant(CUT)},
+                                             8, EOS)
     assert engine["pop"]["tokens"] != engine["full"]["tokens"]  # POP ran: the cut changes these generations

@@ -71,10 +71,11 @@ def test_pop_kvfit_needs_a_model_to_calibrate_on():
 def test_every_variant_runs_on_continuation(model, docs, fits):
     # cut 2: with cut = L-1 the one pruned layer's input is h_{L-1} in POP too, so POP is exact there
     variants = scoring.make_variants(scoring.VARIANTS, cut=2, num_layers=LAYERS, kv_fit=_tiny_fit(model),
-                                     distill_fit=fits[1], baseline_fit=scoring.default_baseline_fit(_loaded(model)))
+                                     distill_fit=fits[1],
+                                     baseline_fit=scoring.default_baseline_fit(_loaded(model)))
     assert list(variants)[0] == "full" and set(variants) == set(scoring.VARIANTS)
     scores = scoring.continuation_eval(model, docs, variants, batch_size=4)  # batches of 4 and 2
-    for name, s in scores.items():
+    for s in scores.values():
         assert math.isfinite(s["nll"]) and s["perplexity"] == pytest.approx(math.exp(s["nll"]))
         assert 0.0 <= s["agreement"] <= 1.0 and len(s["doc_nll"]) == len(docs)
     assert scores["full"]["agreement"] == 1.0 and scores["full"]["kl_to_full"] == 0.0
@@ -99,10 +100,11 @@ def test_pop_distill_is_what_export_distill_ships(model, fits):
     assert all(torch.equal(d[i][p].weight, shipped.fit.weights[i][p].weight) and
                torch.equal(d[i][p].bias, shipped.fit.weights[i][p].bias) for i in d for p in d[i])
     start = shipped.init.weights
-    assert all(start[i][p].bias is not None and r[i][p].bias is None for i in r for p in r[i])  # bias: distill only
-    # From this start (ridge with a bias, fitted on these windows) the tiny random model's held-out KL does not
-    # improve in 30 steps at any lr tried (1e-6..1e-3): the start is what ships (test_distill.py shows training
-    # lowering KL on every architecture). It already beats pop-kvfit's bias-free fit of other text.
+    # bias: distill only
+    assert all(start[i][p].bias is not None and r[i][p].bias is None for i in r for p in r[i])
+    # From this start (ridge with a bias, fitted on these windows) the tiny random model's held-out KL does
+    # not improve in 30 steps at any lr tried (1e-6..1e-3): the start is what ships (test_distill.py shows
+    # training lowering KL on every architecture). It already beats pop-kvfit's bias-free fit of other text.
     kl_kvfit, kl_distill = (continuation_kl(model, windows[:16], 2, w) for w in (r, d))
     assert kl_distill < 0.8 * kl_kvfit, (kl_distill, kl_kvfit)  # measured ~0.96e-4 vs ~1.7e-4
     at_last = scoring.make_variants(["pop-distill"], cut=LAYERS - 1, num_layers=LAYERS, distill_fit=distilled)
@@ -120,7 +122,8 @@ def test_eval_scores_pop_distill_with_the_configured_steps(model, fits, tmp_path
     docs, _ = eval_data.continuation_documents(CharTokenizer(), 24, 8, 3)
     same = scoring.continuation_eval(model, docs, scoring.make_variants(["pop-distill"], 2, LAYERS,
                                                                         distill_fit=fits[1]))
-    assert got["pop-distill"]["nll"] == pytest.approx(same["pop-distill"]["nll"], rel=1e-6)  # the same weights
+    # the same weights
+    assert got["pop-distill"]["nll"] == pytest.approx(same["pop-distill"]["nll"], rel=1e-6)
     assert got["pop-distill"]["nll"] != pytest.approx(got["pop"]["nll"], rel=1e-6)
 
 
@@ -185,9 +188,11 @@ def test_sweep_draws_both_curves_and_reuses_pop_where_nothing_is_refitted(model,
 
 
 def test_sweep_draws_the_distilled_curve_on_request(model, docs, fits):
-    rows = sweep.sweep(model, docs[:3], variants=["pop-kvfit", "pop-distill"], kv_fit=fits[0], distill_fit=fits[1])
+    rows = sweep.sweep(model, docs[:3], variants=["pop-kvfit", "pop-distill"], kv_fit=fits[0],
+                       distill_fit=fits[1])
     kvfit, distilled = rows[:3], rows[3:]
-    assert [(r["variant"], r["cut"]) for r in distilled] == [("pop-distill", 4), ("pop-distill", 3), ("pop-distill", 2)]
+    assert [(r["variant"], r["cut"]) for r in distilled] == [("pop-distill", 4), ("pop-distill", 3),
+                                                             ("pop-distill", 2)]
     assert distilled[1]["nll"] == kvfit[1]["nll"]  # cut L-1: nothing to refit, both reuse pop's row
     assert distilled[2]["nll"] != kvfit[2]["nll"]
     with pytest.raises(ValueError, match="a pop-distill sweep needs distill_fit"):
@@ -247,10 +252,12 @@ def test_generation_and_early_stopping_match_reference(model):
 def test_humaneval_refuses_without_allow_code_exec(model, tmp_path):
     problems = eval_data.humaneval_problems()[:1]
     with pytest.raises(ValueError, match="--allow-code-exec"):
-        humaneval.humaneval_eval(model, CharTokenizer(), problems, {"full": Variant(LAYERS)}, allow_code_exec=False)
+        humaneval.humaneval_eval(model, CharTokenizer(), problems, {"full": Variant(LAYERS)},
+                                 allow_code_exec=False)
     with pytest.raises(ValueError, match="--allow-code-exec"):  # before the model is even looked up
         run.run_eval("no-such-model", tmp_path, tasks=["humaneval"])
-    args = build_parser().parse_args(["eval", "no-such-model", "--tasks", "humaneval", "--out", str(tmp_path)])
+    args = build_parser().parse_args(["eval", "no-such-model", "--tasks", "humaneval",
+                                      "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--allow-code-exec"):
         args.handler(args)
 
@@ -302,7 +309,8 @@ def test_documents_are_cropped_skipped_and_interleaved():
 def test_reports_and_plots(tmp_path):
     variants = {n: {"nll": 2.0 + i, "perplexity": math.exp(2.0 + i), "agreement": 1.0 - 0.1 * i,
                     "accuracy": 0.5, "kl_to_full": 0.1 * i} for i, n in enumerate(scoring.VARIANTS)}
-    results = {"model": "tiny", "num_layers": 4, "cut": 3, "prefix_len": 24, "cont_len": 8, "speedup_bound": 1.2,
+    results = {"model": "tiny", "num_layers": 4, "cut": 3, "prefix_len": 24, "cont_len": 8,
+               "speedup_bound": 1.2,
                "tasks": {"continuation": {"documents": 2, "variants": variants},
                          "generation": {"prompts": 2, "max_new_tokens": 8, "variants": {
                              n: {"exact_match": 0.5, "matched_prefix": 3.0, "mean_length": 8.0}
@@ -314,7 +322,8 @@ def test_reports_and_plots(tmp_path):
     text = report.report(results)
     assert "pop-no-boundary" in text and "auto cut (pop-kvfit): agreement >= 0.95: 3" in text
     assert "pop-kvfit agree" in text and "pop-distill agree" in text
-    assert list(results["tasks"]["continuation"]["variants"]) == [n for n in report._VARIANT_ORDER if not n.endswith("-carried")]
+    assert list(results["tasks"]["continuation"]["variants"]) == [n for n in report._VARIANT_ORDER
+                                                                  if not n.endswith("-carried")]
     assert set(sweep.SWEEP_VARIANTS) <= set(report._CURVE_COLORS)
     report.plot_quality(results, tmp_path / "quality.png")
     report.plot_sweep(results, tmp_path / "sweep.png")
@@ -367,7 +376,8 @@ def test_eval_config_names_the_bad_option(options, message):
         eval_config.EvalConfig(**options)
 
 
-# --- HumanEval prompt formats and code extraction (real HumanEval problems, replies written like a chat model's) ---
+# --- HumanEval prompt formats and code extraction ---
+# (real HumanEval problems, replies written like a chat model's)
 
 @pytest.fixture(scope="module")
 def problems():
@@ -381,7 +391,8 @@ def _passes(problem, completion):
 def test_chat_reply_with_a_full_function_and_extra_code(problems):
     p = problems["HumanEval/0"]
     reply = ("Here is the completed function:\n\n```python\nfrom typing import List\n\n\n"
-             "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + p["canonical_solution"]
+             "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+             + p["canonical_solution"]
              + "\n\nprint(has_close_elements([1.0, 2.0], 0.5))\nassert False\n```\n\nIt compares every pair.")
     completion = humaneval.extract_code(reply, p)
     assert completion.startswith("\nfrom typing import List\n\ndef has_close_elements(")
@@ -392,7 +403,8 @@ def test_chat_reply_with_a_full_function_and_extra_code(problems):
 
 def test_chat_reply_with_a_body_only(problems):
     p = problems["HumanEval/2"]
-    assert humaneval.extract_code("```python\n" + p["canonical_solution"] + "```", p) == p["canonical_solution"]
+    assert (humaneval.extract_code("```python\n" + p["canonical_solution"] + "```", p)
+            == p["canonical_solution"])
     assert _passes(p, humaneval.extract_code("```python\n" + p["canonical_solution"] + "```", p))
     unfenced = humaneval.extract_code("return number % 1.0", p)  # a body written at column 0
     assert unfenced == "    return number % 1.0\n" and _passes(p, unfenced)
@@ -400,10 +412,13 @@ def test_chat_reply_with_a_body_only(problems):
 
 def test_chat_reply_cut_by_the_token_limit_and_several_blocks(problems):
     p = problems["HumanEval/23"]
-    cut_short = "```python\ndef strlen(string: str) -> int:\n    return len(string)\n\n\ndef helper(x):\n    return (x +"
+    cut_short = ("```python\ndef strlen(string: str) -> int:\n    return len(string)\n\n\n"
+                 "def helper(x):\n    return (x +")
     completion = humaneval.extract_code(cut_short, p)
-    assert completion == "\ndef strlen(string: str) -> int:\n    return len(string)\n" and _passes(p, completion)
-    two_blocks = "Usage:\n```\n>>> strlen('abc')\n3\n```\nCode:\n```python\ndef strlen(s):\n    return len(s)\n```"
+    assert (completion == "\ndef strlen(string: str) -> int:\n    return len(string)\n"
+            and _passes(p, completion))
+    two_blocks = ("Usage:\n```\n>>> strlen('abc')\n3\n```\n"
+                  "Code:\n```python\ndef strlen(s):\n    return len(s)\n```")
     assert humaneval.code_block(two_blocks, "strlen") == "def strlen(s):\n    return len(s)\n"
     assert _passes(p, humaneval.extract_code(two_blocks, p))
     assert not _passes(p, humaneval.extract_code("I am sorry, I cannot help with that.", p))
@@ -435,8 +450,8 @@ def test_chat_stop_rule_and_prompt_formats(problems):
     p = problems["HumanEval/23"]
     assert humaneval.resolve_format(ChatTokenizer(), "auto") == "chat"
     chat = humaneval.prompt_ids(ChatTokenizer(), p, "chat")
-    assert chat == CharTokenizer()(f"<user>{humaneval.CHAT_INSTRUCTION.format(prompt=p['prompt'])}<assistant>")[
-        "input_ids"]
+    assert chat == CharTokenizer()(
+        f"<user>{humaneval.CHAT_INSTRUCTION.format(prompt=p['prompt'])}<assistant>")["input_ids"]
     assert humaneval.prompt_ids(ChatTokenizer(), p, "raw") == CharTokenizer()(p["prompt"])["input_ids"]
 
 
@@ -446,7 +461,8 @@ class ChatCharTokenizer(CharTokenizer):
     chat_template = "role: content"
 
     def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=True, return_dict=False):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+        text = ("".join(f"{m['role']}: {m['content']}\n" for m in messages)
+                + ("assistant:" if add_generation_prompt else ""))
         return self(text)["input_ids"]
 
 
@@ -461,16 +477,16 @@ def test_chat_task_with_nothing_pruned_carries_the_cache_exactly(model):
     whole = reference.PopRun(model, full, 0).extend(torch.tensor([conversation.final]), 0)
     torch.testing.assert_close(carried_prefill(model, conversation, full)[1], whole, atol=1e-5, rtol=1e-5)
     assert (carried_prefill(model, conversation, Variant(cut=2))[1] - whole).abs().max() > 1e-3
-    result = chat_task(model, tok, {"pop": Variant(cut=2), "shortgpt": Variant(cut=2, shortgpt=True)}, limit=2,
-                       gen_tokens=6)
+    result = chat_task(model, tok, {"pop": Variant(cut=2), "shortgpt": Variant(cut=2, shortgpt=True)},
+                       limit=2, gen_tokens=6)
     assert result["conversations"] == 2 and set(result["variants"]) == {"full", "pop", "pop-carried"}
     assert result["variants"]["full"]["exact_match"] == 1.0
 
 
 def test_chat_task_runs_each_pop_variant_fresh_and_carried(model):
-    """Every CHAT_VARIANTS name given runs twice (a fresh prefill, the carried cache); a refit at cut = L-1 (no
-    layer past the cut to refit) equals full; with no POP variant the task is refused, before any model work
-    when the config says so."""
+    """Every CHAT_VARIANTS name given runs twice (a fresh prefill, the carried cache); a refit at cut = L-1
+    (no layer past the cut to refit) equals full; with no POP variant the task is refused, before any model
+    work when the config says so."""
     from popcompile.measure.eval.chat import chat_task
     from popcompile.measure.eval.config import EvalConfig
 

@@ -1,6 +1,7 @@
 """The folded boundary on exported graphs (passes/boundary.py via driver.build_graphs, the default):
 one prefill graph on x_1..x_N that runs x_N alone through the deep layers. Checked against the
-separate pair (POP pass prefill on x_1..x_{N-1} + decode graph on x_N, tests/test_pass.py) and reference.py."""
+separate pair (POP pass prefill on x_1..x_{N-1} + decode graph on x_N, tests/test_pass.py) and
+reference.py."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,8 @@ def test_deep_layers_run_the_last_position_only_except_kv(pairs):
     lengths = _seq_len_of_linears(folded.prefill)
     for (layer, name), length in lengths.items():
         whole = layer < CUT or name in ("k_proj", "v_proj")
-        assert isinstance(length, torch.SymInt) == whole and (whole or length == 1), f"layer {layer} {name}: {length}"
+        assert isinstance(length, torch.SymInt) == whole and (whole or length == 1), \
+            f"layer {layer} {name}: {length}"
     assert {name for (layer, name) in lengths if layer == CUT} >= {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
@@ -58,7 +60,8 @@ def test_folded_prefill_equals_prefill_then_boundary_step(pairs):
 def test_greedy_with_folded_graphs_equals_reference(pairs):
     model, folded, _ = pairs
     prompt = torch.randint(0, 97, (1, 10))
-    assert greedy_with_graphs(folded, prompt, 6) == reference.generate(model, prompt, 6, reference.Variant(cut=CUT))
+    assert greedy_with_graphs(folded, prompt, 6) == reference.generate(model, prompt, 6,
+                                                                       reference.Variant(cut=CUT))
 
 
 def test_cut_equal_to_layers_is_the_full_model():
@@ -87,7 +90,8 @@ def test_kv_weights_serve_the_pruned_rows_and_x_n_keeps_the_models_own(arch):
     torch.testing.assert_close(logits, step_logits, atol=ATOL, rtol=0)
     for whole, rows, last in zip(kv, head, step_kv):
         torch.testing.assert_close(whole, torch.cat([rows, last], dim=2), atol=ATOL, rtol=0)
-    cache = reference.prefill_cache(model, prompt[:, :-1], CUT, kv_weights=weights)  # the separate prefill's rows
+    # the separate prefill's rows
+    cache = reference.prefill_cache(model, prompt[:, :-1], CUT, kv_weights=weights)
     torch.testing.assert_close(head[2 * 3], cache.layers[3].keys, atol=ATOL, rtol=0)
 
 

@@ -19,7 +19,8 @@ def test_dry_run_measures_every_phase_without_packages_the_gpu_machine_lacks(tmp
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in ABSENT))
-    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "PYTHONPATH": str(site), "GPU_CHECK_LIMIT": "400"}
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "PYTHONPATH": str(site),
+           "GPU_CHECK_LIMIT": "400"}
     env.pop("OUT", None)
     out = tmp_path / "gpu_results"
     run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
@@ -31,8 +32,8 @@ def test_dry_run_measures_every_phase_without_packages_the_gpu_machine_lacks(tmp
     assert {name: phases[name]["status"] for name in ("matmul-peak", "graphs", "compile")} == dict.fromkeys(
         ("matmul-peak", "graphs", "compile"), "ok")
     assert phases["matmul-peak"]["TFLOP/s"] > 0
-    geometry = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "head_dim": 16, "vocab_size": 97, "num_hidden_layers": 3}
+    geometry = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97, "num_hidden_layers": 3}
     for name in ("graphs", "compile"):
         rows = phases[name]["rows"]
         assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 16), (1, 32), (2, 16), (2, 32)]
@@ -52,7 +53,8 @@ def test_phases_runs_only_the_named_phases(tmp_path):
     env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_LIMIT": "200"}
     env.pop("OUT", None)
     run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out),
-                          "--phases", "matmul-peak", "tensorrt"], env=env, capture_output=True, text=True, timeout=220)
+                          "--phases", "matmul-peak", "tensorrt"], env=env, capture_output=True, text=True,
+                         timeout=220)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     phases = json.loads(out.with_suffix(".json").read_text())["phases"]
     assert set(phases) == {"environment", "matmul-peak", "tensorrt"}

@@ -36,13 +36,13 @@ MAY_IMPORT = {
     "threshold": {"errors"},
     "cost": {"errors"},
     "engine": {"errors", "fsutil"},
-    "config": {"engine", "errors"},
+    "config": {"engine", "errors", "threshold"},
     "frontend": {"engine", "errors"},
     "passes": {"config", "engine", "errors", "frontend"},
     "kvfit": {"config", "errors", "frontend", "fsutil", "passes"},
     "reference": {"config", "errors", "frontend", "passes"},
     "runtime": {"cost", "engine", "errors", "fsutil", "threshold"},
-    "vllm_plugin": {"config", "engine", "errors", "frontend"},
+    "vllm_plugin": {"config", "engine", "errors", "frontend", "threshold"},
     "exporters": {"config", "engine", "errors", "frontend", "fsutil", "kvfit", "passes", "threshold",
                   "vllm_plugin"},
     "dynamo": {"config", "errors", "frontend", "kvfit", "passes", "threshold"},
@@ -82,7 +82,8 @@ def _is_module(name: str) -> bool:
 
 
 def imports(source: str, importer: str, package: bool = False) -> set[str]:
-    """Every module the source imports, absolute: ``from popcompile import errors`` gives ``popcompile.errors``."""
+    """Every module the source imports, absolute: ``from popcompile import errors`` gives
+    ``popcompile.errors``."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -92,8 +93,10 @@ def imports(source: str, importer: str, package: bool = False) -> set[str]:
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base)
         elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+              and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
             found.add(node.args[0].value)
     return found
 
@@ -135,7 +138,8 @@ def test_runtime_imports_no_exporters_commands_or_quality_tools():
 
 
 def test_only_commands_and_measure_import_measure():
-    bad = [line for line in violations("", lambda name: True, lambda name: _matches(name, "popcompile.measure"))
+    bad = [line
+           for line in violations("", lambda name: True, lambda name: _matches(name, "popcompile.measure"))
            if not any(line.startswith(prefix.replace(".", "/") + "/") for prefix in MAY_USE_TOOLS)]
     assert bad == []
 
@@ -166,7 +170,8 @@ def test_compiler_imports_nothing_from_measure():
         if part.endswith(".py"):
             path = PACKAGE / part
             assert path.is_file(), part
-            bad += [f"{part}: {name}" for name in sorted(imports(path.read_text(), module_name(path))) if forbidden(name)]
+            bad += [f"{part}: {name}" for name in sorted(imports(path.read_text(), module_name(path)))
+                    if forbidden(name)]
         else:
             assert (PACKAGE / part).is_dir(), part
             bad += violations(part, lambda name: True, forbidden)
@@ -184,7 +189,8 @@ def test_only_vllm_loads_the_plugin_and_its_settings_need_no_vllm():
     for name in ("settings.py", "__init__.py"):
         tree = ast.parse((PACKAGE / "vllm_plugin" / name).read_text())
         top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
-        top |= {node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom) and node.level == 0}
+        top |= {node.module or "" for node in tree.body
+                if isinstance(node, ast.ImportFrom) and node.level == 0}
         assert not any(_matches(module, "vllm") for module in top), (name, top)
 
 
@@ -241,19 +247,23 @@ def test_cycle_finder_finds_cycles():
 
 def test_old_paths_are_gone():
     """The contract moved to engine/, the eval cluster to measure/ (once tools/), loading and capture to
-    frontend/, the K/V fits to kvfit/, pipeline.py into driver.py and passes/prefill.py: no shims left behind."""
+    frontend/, the K/V fits to kvfit/, pipeline.py into driver.py and passes/prefill.py: no shims left
+    behind."""
     assert not (PACKAGE / "exporters" / "manifest.py").exists()
     assert not (PACKAGE / "kv.py").exists()
     assert not (PACKAGE / "tools").exists() and not (PACKAGE / "passes" / "gates.py").exists()
     for old in ("models", "arch", "gguf_tokenizer", "capture", "calibrate", "distill", "corpus", "pipeline"):
         assert not (PACKAGE / f"{old}.py").exists(), old
-    for old in ("analyze", "evaluate", "eval_engine", "eval_config", "eval_data", "eval_report", "sweep", "humaneval"):
+    for old in ("analyze", "evaluate", "eval_engine", "eval_config", "eval_data", "eval_report", "sweep",
+                "humaneval"):
         assert not (PACKAGE / f"{old}.py").exists(), old
 
 
 @pytest.mark.parametrize("source, importer, package, expected", [
-    ("from ..exporters.manifest import MANIFEST", "popcompile.runtime.x", False, {"popcompile.exporters.manifest"}),
-    ("def f():\n    from ..measure.eval import run", "popcompile.runtime.x", False, {"popcompile.measure.eval.run"}),
+    ("from ..exporters.manifest import MANIFEST", "popcompile.runtime.x", False,
+     {"popcompile.exporters.manifest"}),
+    ("def f():\n    from ..measure.eval import run", "popcompile.runtime.x", False,
+     {"popcompile.measure.eval.run"}),
     ("from .. import driver as d", "popcompile.runtime.x", False, {"popcompile.driver"}),
     ("from . import manifest", "popcompile.engine", True, {"popcompile.engine.manifest"}),
     ("from .kv import KVLayout", "popcompile.engine.manifest", False, {"popcompile.engine.kv"}),
@@ -268,8 +278,10 @@ def test_imports_are_read_as_absolute_names(source, importer, package, expected)
 
 
 def test_checker_flags_what_it_should():
-    assert _heavy("onnxruntime.capi") and _heavy("torch") and not _heavy("torchvision") and not _heavy("numpy")
-    assert _matches("popcompile.measure.eval.data", "popcompile.measure") and not _matches("popcompile.measurex", "popcompile.measure")
+    assert (_heavy("onnxruntime.capi") and _heavy("torch") and not _heavy("torchvision")
+            and not _heavy("numpy"))
+    assert (_matches("popcompile.measure.eval.data", "popcompile.measure")
+            and not _matches("popcompile.measurex", "popcompile.measure"))
     assert _matches("popcompile.eval_data", "popcompile.eval_*")
 
 
@@ -287,5 +299,6 @@ def test_importing_engine_loads_no_torch_or_onnx():
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout)
     assert [m for m in loaded if _heavy(m)] == []
-    assert [m for m in loaded if m.startswith("popcompile.") and not any(_matches(m, ok) for ok in ENGINE_MAY_USE)] == []
+    assert [m for m in loaded
+            if m.startswith("popcompile.") and not any(_matches(m, ok) for ok in ENGINE_MAY_USE)] == []
     assert {"popcompile.engine.kv", "popcompile.engine.manifest", "popcompile.engine.tensorrt"} <= set(loaded)

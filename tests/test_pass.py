@@ -167,7 +167,8 @@ def test_kv_weights_replace_only_the_deep_projections():
                          boundary="separate")
     assert _parts_by_layer(refit.prefill) == _parts_by_layer(plain.prefill)
     prompt = torch.randint(0, 97, (1, 8))
-    base, same_out, new = (run_graph(p.prefill.module(), prompt, empty_past(p.layout)) for p in (plain, unchanged, refit))
+    base, same_out, new = (run_graph(p.prefill.module(), prompt, empty_past(p.layout))
+                           for p in (plain, unchanged, refit))
     for a, b in zip(base, same_out):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     for i in range(6):  # layers 0..2 untouched

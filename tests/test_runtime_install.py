@@ -24,11 +24,13 @@ COMPILER_MODULES = ("torch", "transformers", "onnx", "onnxscript", "safetensors"
 
 @pytest.fixture(scope="module")
 def runtime_venv(tmp_path_factory) -> Path:
-    """A fresh venv holding ``popcompile[cpu]`` (not editable: the installed package, as a deployment has it)."""
+    """A fresh venv holding ``popcompile[cpu]`` (not editable: the installed package, as a deployment has
+    it)."""
     root = tmp_path_factory.mktemp("runtime-venv")
     venv.EnvBuilder(with_pip=True).create(root)
-    done = subprocess.run([root / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                           f"{REPO}[cpu]"], capture_output=True, text=True, timeout=900)
+    done = subprocess.run([root / "bin" / "python", "-m", "pip", "install", "-q",
+                           "--disable-pip-version-check", f"{REPO}[cpu]"],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return root
 
@@ -36,7 +38,8 @@ def runtime_venv(tmp_path_factory) -> Path:
 def test_the_runtime_install_holds_no_compiler(runtime_venv):
     code = ("import importlib.util, json; "
             f"print(json.dumps([m for m in {COMPILER_MODULES!r} if importlib.util.find_spec(m)]))")
-    found = subprocess.run([runtime_venv / "bin" / "python", "-c", code], capture_output=True, text=True, check=True)
+    found = subprocess.run([runtime_venv / "bin" / "python", "-c", code], capture_output=True, text=True,
+                           check=True)
     assert json.loads(found.stdout) == []
 
 

@@ -1,8 +1,9 @@
 """samples/ run as users run them (a subprocess each, on a tiny random model), and the docs quote them.
 
-Every samples/*.py is run by some test here (a ``run_sample`` call naming it). A ```python block of README.md or
-docs/*.md must be, character for character, a ``# [readme:NAME]`` ... ``# [/readme]`` region of a sample (dedented),
-and every region must be in the README: the snippets cannot drift from code that CI runs.
+Every samples/*.py is run by some test here (a ``run_sample`` call naming it). A ```python block of
+README.md or docs/*.md must be, character for character, a ``# [readme:NAME]`` ... ``# [/readme]`` region
+of a sample (dedented), and every region must be in the README: the snippets cannot drift from code that CI
+runs.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ FAST = ("--kv-calibration", "none", "--min-prompt-tokens", "0", "--max-seq", "64
 
 
 def run_sample(name: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SAMPLES / name), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    return subprocess.run([sys.executable, str(SAMPLES / name), *map(str, args)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,10 @@ def test_export_and_run_compiles_and_generates_with_pop_and_full(engine):
     lines = done.stdout.splitlines()
     assert len(lines) == 2, done.stdout
     texts = []
-    for line, mode in zip(lines, ("pop", "full")):  # each mode ran its own prefill and printed its 4 tokens' text
-        head, text = re.fullmatch(r"(\w+ \(cut 4/6, \w+ prefill\)): first token after [\d.]+ s: ('.*'|\".*\")",
-                                  line).groups()
+    # each mode ran its own prefill and printed its 4 tokens' text
+    for line, mode in zip(lines, ("pop", "full")):
+        head, text = re.fullmatch(r"(\w+ \(cut 4/6, \w+ prefill\)): first token after [\d.]+ s: "
+                                  r"('.*'|\".*\")", line).groups()
         assert head == f"{mode} (cut 4/6, {mode} prefill)"
         texts.append(ast.literal_eval(text))
     assert texts[0].strip() and texts[1].strip() and texts[0] != texts[1]  # on this model POP's tokens differ
@@ -73,7 +75,8 @@ def test_export_and_run_compiles_and_generates_with_pop_and_full(engine):
 
 def test_chat_streams_two_turns_and_keeps_the_first_in_the_cache(engine):
     out, _ = engine
-    done = run_sample("chat.py", "--out", out, "--turn", "t1 t2 t3", "--turn", "t4 t5", "--max-new-tokens", "4")
+    done = run_sample("chat.py", "--out", out, "--turn", "t1 t2 t3", "--turn", "t4 t5",
+                      "--max-new-tokens", "4")
     assert done.returncode == 0, done.stderr
     assert "compiling" not in done.stderr  # the engine in --out is used as it is
     stats = re.findall(r"\[(\d+) new prompt tokens, (\d+) cached, \w+ prefill, [\d.]+ s to the first token\]",
@@ -86,14 +89,15 @@ def test_chat_streams_two_turns_and_keeps_the_first_in_the_cache(engine):
 def test_chat_compiles_the_model_when_out_holds_no_engine(tmp_path):
     out = tmp_path / "new"
     done = run_sample("chat.py", "--out", out, "--model", tmp_path / "missing", "--kv-calibration", "none")
-    assert done.returncode == 2 and done.stderr.startswith(f"compiling {tmp_path / 'missing'} into {out}\nchat: ")
+    assert done.returncode == 2 and done.stderr.startswith(
+        f"compiling {tmp_path / 'missing'} into {out}\nchat: ")
     assert len(done.stderr.splitlines()) == 2 and not out.exists()
 
 
 def test_torch_compile_gives_the_pop_reference_tokens(tiny_folder):
     prompt = " ".join(f"t{i % 90}" for i in range(3, 40))
-    done = run_sample("torch_compile.py", "--model", tiny_folder, "--inner", "eager", "--min-prompt-tokens", "0",
-                      "--max-new-tokens", "6", "--prompt", prompt)
+    done = run_sample("torch_compile.py", "--model", tiny_folder, "--inner", "eager",
+                      "--min-prompt-tokens", "0", "--max-new-tokens", "6", "--prompt", prompt)
     assert done.returncode == 0, done.stderr
     printed = {name: ast.literal_eval(tokens)
                for name, tokens in re.findall(r"^(pop|full): +(\[.*\])$", done.stdout, re.M)}
@@ -109,22 +113,26 @@ def test_torch_compile_gives_the_pop_reference_tokens(tiny_folder):
 
 def test_tensorrt_deploy(tiny_folder, tmp_path):
     out = tmp_path / "trt"
-    done = run_sample("tensorrt_deploy.py", "--model", tiny_folder, "--out", out, "--precision", "fp32", *FAST)
+    done = run_sample("tensorrt_deploy.py", "--model", tiny_folder, "--out", out, "--precision", "fp32",
+                      *FAST)
     if has_tensorrt_gpu():
         assert done.returncode == 0, done.stderr
-        assert re.fullmatch(r"pop prefill, first token after [\d.]+ ms: ('.*'|\".*\")\n", done.stdout), done.stdout
+        assert re.fullmatch(r"pop prefill, first token after [\d.]+ ms: ('.*'|\".*\")\n",
+                            done.stdout), done.stdout
     else:  # stops at once, one line naming what is missing, nothing written
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
         assert "NVIDIA GPU" in done.stderr and not out.exists()
 
 
 def regions() -> dict[str, str]:
-    """NAME -> the dedented text of each ``# [readme:NAME]`` region of samples/*.py (names unique, markers paired)."""
+    """NAME -> the dedented text of each ``# [readme:NAME]`` region of samples/*.py (names unique, markers
+    paired)."""
     found = {}
     for path in sorted(SAMPLES.glob("*.py")):
         text = path.read_text()
         pairs = REGION.findall(text)
-        assert 2 * len(pairs) == len(MARKER.findall(text)), f"{path.name}: an unpaired or nested readme marker"
+        assert 2 * len(pairs) == len(MARKER.findall(text)), (
+            f"{path.name}: an unpaired or nested readme marker")
         for name, body in pairs:
             assert name not in found, f"two regions named {name}"
             found[name] = textwrap.dedent(body).strip("\n")

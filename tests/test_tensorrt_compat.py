@@ -94,14 +94,16 @@ def test_supported_ops_pass():
     r = report(findings)
     assert r.ok and not r.warnings, format_table(r)
     ops = {f.op: f for f in statuses(findings, "ok")}
-    assert {"MatMul", "Add", "Pow", "ReduceMean", "Sqrt", "Div", "Unsqueeze", "Squeeze", "Softmax"} <= set(ops)
+    assert {"MatMul", "Add", "Pow", "ReduceMean", "Sqrt", "Div", "Unsqueeze", "Squeeze",
+            "Softmax"} <= set(ops)
     assert ops["Add"].count == 2 and "FP32" in ops["Add"].detail and "INT64" in ops["Add"].detail
     assert "axes constant" in ops["Unsqueeze"].detail and "axes constant" in ops["ReduceMean"].detail
 
 
 def test_unsupported_ops_fail_and_are_named():
     nodes = [
-        helper.make_node("GroupQueryAttention", ["x", "x", "x"], ["a"], domain="com.microsoft", num_heads=1, kv_num_heads=1),
+        helper.make_node("GroupQueryAttention", ["x", "x", "x"], ["a"], domain="com.microsoft", num_heads=1,
+                         kv_num_heads=1),
         helper.make_node("Unique", ["a"], ["y"]),                   # standard op, marked N in the matrix
         helper.make_node("MyCustomOp", ["y"], ["z"]),               # default domain, not an ONNX op at all
     ]
@@ -131,7 +133,8 @@ def test_computed_axes_is_a_restriction():
     findings = check_model(m, "decode")
     r = report(findings)
     warn = [f for f in r.warnings if f.op == "Unsqueeze"]
-    assert len(warn) == 1 and "`axes` input is computed" in warn[0].detail and "resolvable to a constant" in warn[0].detail
+    assert (len(warn) == 1 and "`axes` input is computed" in warn[0].detail
+            and "resolvable to a constant" in warn[0].detail)
     assert r.ok  # a restriction warns, it does not fail
 
 
@@ -158,10 +161,12 @@ def test_if_node_is_reported():
 def test_dtypes_double_and_opset():
     nodes = [helper.make_node("MatMul", ["i", "i"], ["m"]), helper.make_node("Add", ["d", "d"], ["e"])]
     m = model(nodes, [x_input("i", ("n", "n"), TensorProto.INT32), x_input("d", ("n",), TensorProto.DOUBLE)],
-              [x_input("m", ("n", "n"), TensorProto.INT32), x_input("e", ("n",), TensorProto.DOUBLE)], opset=25)
+              [x_input("m", ("n", "n"), TensorProto.INT32), x_input("e", ("n",), TensorProto.DOUBLE)],
+              opset=25)
     findings = check_model(m, "g")
     dtype = statuses(findings, "dtype")
-    assert [f.op for f in dtype] == ["MatMul"] and "INT32" in dtype[0].detail and "FP32, FP16, BF16" in dtype[0].detail
+    assert ([f.op for f in dtype] == ["MatMul"] and "INT32" in dtype[0].detail
+            and "FP32, FP16, BF16" in dtype[0].detail)
     warn = {f.op: f.detail for f in statuses(findings, "restriction")}
     assert "casts them down" in warn["Add"]
     assert "opset 25" in warn["opset"]
@@ -172,7 +177,8 @@ def test_dynamic_dims():
               [x_input("x", ("batch", "seq", 8)), x_input("past_key_values.0.key", ("batch", 2, "past", 4)),
                x_input("anon", (None, 3))],
               [x_input("y")])
-    assert dynamic_dims(m) == {"x": ["batch", "seq"], "past_key_values.0.key": ["batch", "past"], "anon": ["dim0"]}
+    assert dynamic_dims(m) == {"x": ["batch", "seq"], "past_key_values.0.key": ["batch", "past"],
+                               "anon": ["dim0"]}
     findings = check_model(m, "prefill")
     past = [f for f in findings if f.op == "profile" and f.status == "restriction"]
     assert len(past) == 1 and ">= 1" in past[0].detail and "separate first-chunk" in past[0].detail
@@ -190,7 +196,8 @@ def test_real_engine_passes(engine):
     r = check_engine(engine)
     assert r.ok, format_table(r)
     # the only warnings: `past` can be 0 and a profile cannot (one per graph)
-    assert [(f.graph, f.op) for f in r.warnings] == [("decode", "profile"), ("prefill", "profile")], format_table(r)
+    assert [(f.graph, f.op) for f in r.warnings] == [("decode", "profile"), ("prefill", "profile")], (
+        format_table(r))
     ok_ops = {f.op for f in r.findings if f.status == "ok"}
     assert {"MatMul", "Softmax", "ReduceMean", "Slice", "Unsqueeze", "opset"} <= ok_ops
     assert not any(f.op.startswith("com.") for f in r.findings)
@@ -215,7 +222,8 @@ def test_require_gpu_message():
     msg = str(err.value)
     assert "\n" not in msg
     for part in ("NVIDIA GPU", "CUDA", "`tensorrt`", 'pip install "popcompile[gpu]"',
-                 "popcompile export MODEL --out DIR", "onnxruntime", "popcompile check DIR --target tensorrt"):
+                 "popcompile export MODEL --out DIR", "onnxruntime",
+                 "popcompile check DIR --target tensorrt"):
         assert part in msg
 
 

@@ -47,8 +47,8 @@ def test_corrupt_tokenizer_json(folder, content):
                    "re-export")
 
 
-@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                                  "chat_template.json"])
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json",
+                                  "generation_config.json", "chat_template.json"])
 @pytest.mark.parametrize("content, says", [('{"bos_token": "<s>",', "not valid JSON (line 1"),
                                            ('["a list"]', "does not hold a JSON object")])
 def test_corrupt_json_files(folder, name, content, says):
@@ -65,19 +65,22 @@ def test_corrupt_json_files(folder, name, content, says):
 def test_non_utf8_files(folder, name):
     path = folder / name
     path.write_bytes(b'{"bos_token": "caf\xe9"}')
-    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), str(path), "not UTF-8", "byte 18")
+    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), str(path), "not UTF-8",
+                   "byte 18")
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json",
                                   "chat_template.jinja"])
 def test_a_tokenizer_file_that_links_out_of_the_folder_is_refused(folder, tmp_path, name):
-    """The tokenizer files are not in the manifest's hashed list: a symlink out of the folder is refused by path,
-    even when the file it leads to is a valid copy."""
+    """The tokenizer files are not in the manifest's hashed list: a symlink out of the folder is refused by
+    path, even when the file it leads to is a valid copy."""
     outside = tmp_path / f"outside-{name}"
-    outside.write_bytes((folder / name).read_bytes() if (folder / name).exists() else b"{% for m in messages %}{% endfor %}")
+    outside.write_bytes((folder / name).read_bytes() if (folder / name).exists()
+                        else b"{% for m in messages %}{% endfor %}")
     (folder / name).unlink(missing_ok=True)
     (folder / name).symlink_to(outside)
-    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), name, "outside the engine folder")
+    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), name,
+                   "outside the engine folder")
 
 
 def test_a_symlink_inside_the_folder_is_fine(folder):
@@ -98,8 +101,8 @@ def test_bad_eos_token_id_in_generation_config(folder, value):
 def test_chat_template_of_the_wrong_type(folder, value):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": value}))
-    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder), str(folder / "tokenizer_config.json"),
-                   "chat_template must be")
+    one_line_error(EngineError, lambda: EngineTokenizer.from_folder(folder),
+                   str(folder / "tokenizer_config.json"), "chat_template must be")
 
 
 @pytest.mark.parametrize("template, says", [
@@ -162,4 +165,5 @@ def test_chat_without_a_template_and_empty_prompts(folder):
     tok = EngineTokenizer.from_folder(folder)
     one_line_error(ConfigError, lambda: encode_prompt(tok, "hi", chat=True), "no chat template")
     one_line_error(InputError, lambda: encode_prompt(tok, ""), "non-empty text")
-    assert encode_prompt(tok, "hi") == encode_prompt(tok, "hi", chat=False)  # chat=None: plain without template
+    # chat=None: plain without template
+    assert encode_prompt(tok, "hi") == encode_prompt(tok, "hi", chat=False)

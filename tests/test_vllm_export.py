@@ -36,7 +36,8 @@ def hf(tmp_path_factory) -> Path:
 
 
 def export(hf: Path, out: Path, *extra: str, cut: int = 3) -> dict:
-    assert main(["export", str(hf), "--out", str(out), "--target", "vllm", "--cut", str(cut), "--json", *extra]) == 0
+    assert main(["export", str(hf), "--out", str(out), "--target", "vllm", "--cut", str(cut), "--json",
+                 *extra]) == 0
     return json.loads((out / "config.json").read_text())
 
 
@@ -45,21 +46,26 @@ def test_folder_names_the_pop_class_and_keeps_the_weights(hf, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert config["architectures"] == ["PopLlamaForCausalLM"]
     assert {k: config["popcompile"][k] for k in ("format", "cut", "kv_weights", "min_prompt_tokens")} == {
-        "format": 1, "cut": 3, "kv_weights": None, "min_prompt_tokens": FIXED_MIN_PROMPT_TOKENS}  # auto: the fixed 64
+        "format": 1, "cut": 3, "kv_weights": None,
+        "min_prompt_tokens": FIXED_MIN_PROMPT_TOKENS}  # auto: the fixed 64
     assert (report["cut"], report["num_layers"], report["target"]) == (3, LAYERS, "vllm")
     assert report["min_prompt_tokens"] == FIXED_MIN_PROMPT_TOKENS == 64
-    original, written = load_file(hf / "model.safetensors"), load_file(tmp_path / "served" / "model.safetensors")
+    original, written = (load_file(hf / "model.safetensors"),
+                         load_file(tmp_path / "served" / "model.safetensors"))
     assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
-    assert (tmp_path / "served" / "tokenizer.json").is_file() and not (tmp_path / "served" / KV_WEIGHTS_FILE).exists()
+    assert ((tmp_path / "served" / "tokenizer.json").is_file()
+            and not (tmp_path / "served" / KV_WEIGHTS_FILE).exists())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no staging folder, no lock left
     umask = os.umask(0)
     os.umask(umask)
+    # readable by a server of another user
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "served").iterdir()} == {
-        p.name: 0o666 & ~umask for p in (tmp_path / "served").iterdir()}  # readable by a server of another user
+        p.name: 0o666 & ~umask for p in (tmp_path / "served").iterdir()}
 
 
 def test_pop_plus_weights_are_written_under_the_names_the_plugin_loads(hf, tmp_path):
-    fit = fit_file(tmp_path / "fit.safetensors", cut=2, layers=range(3, LAYERS), value=0.25)  # layers cut+1..L-1
+    # layers cut+1..L-1
+    fit = fit_file(tmp_path / "fit.safetensors", cut=2, layers=range(3, LAYERS), value=0.25)
     config = export(hf, tmp_path / "served", "--kv-calibration", str(fit), cut=2)
     tensors = load_file(tmp_path / "served" / KV_WEIGHTS_FILE)
     expected = load_fit(fit).weights
@@ -76,12 +82,15 @@ def test_a_fitted_bias_is_written_where_the_model_has_none(hf, tmp_path):
     from popcompile.passes.pop import Projection
 
     plain = load_fit(fit_file(tmp_path / "plain.safetensors", cut=2, layers=range(3, LAYERS), value=0.25))
-    weights = {i: {part: Projection(p.weight, torch.full((p.weight.shape[0],), 0.5)) for part, p in parts.items()}
+    weights = {i: {part: Projection(p.weight, torch.full((p.weight.shape[0],), 0.5))
+                   for part, p in parts.items()}
                for i, parts in plain.weights.items()}
-    save_fit(KVFit(CalibrationInfo(**{**plain.info.__dict__, "bias": True}), weights), tmp_path / "fit.safetensors")
+    save_fit(KVFit(CalibrationInfo(**{**plain.info.__dict__, "bias": True}), weights),
+             tmp_path / "fit.safetensors")
     export(hf, tmp_path / "served", "--kv-calibration", str(tmp_path / "fit.safetensors"), cut=2)
     tensors = load_file(tmp_path / "served" / KV_WEIGHTS_FILE)
-    assert sorted(tensors) == [f"pop_kv.layers.3.{p}.{n}" for p in ("k_proj", "v_proj") for n in ("bias", "weight")]
+    assert sorted(tensors) == [f"pop_kv.layers.3.{p}.{n}" for p in ("k_proj", "v_proj")
+                               for n in ("bias", "weight")]
     assert torch.equal(tensors["pop_kv.layers.3.v_proj.bias"], weights[3]["v_proj"].bias)
 
 
@@ -109,7 +118,8 @@ def test_min_prompt_tokens_is_written_as_given(hf, tmp_path, threshold):
     (["--max-seq", "64"], "--max-seq 64"),
 ])
 def test_options_that_only_shape_popcompile_engines_are_refused(hf, tmp_path, capsys, args, culprit):
-    fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", *args], culprit, within_s=5.0)
+    fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", *args], culprit,
+          within_s=5.0)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -138,13 +148,17 @@ def test_the_plugin_refuses_a_config_entry_it_cannot_serve(entry, culprit):
 
     with pytest.raises(ModelError, match=culprit.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         PopSettings.of(HFConfig())
-    older = PopSettings.of(type("C", (), {"num_hidden_layers": LAYERS, "popcompile": {"format": 1, "cut": LAYERS}})())
-    assert older.prunes is False and older.min_prompt_tokens == 0  # a folder from before the field: as it served
+    older = PopSettings.of(type("C", (), {"num_hidden_layers": LAYERS,
+                                          "popcompile": {"format": 1, "cut": LAYERS}})())
+    # a folder from before the field: as it served
+    assert older.prunes is False and older.min_prompt_tokens == 0
 
 
 def test_another_vllm_version_is_refused_by_name():
     extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    assert extra["optional-dependencies"]["vllm"] == [f"vllm=={VLLM_VERSION}"]  # the extra installs the one we serve
+    # the extra installs the one we serve
+    assert extra["optional-dependencies"]["vllm"] == [f"vllm=={VLLM_VERSION}"]
     check_vllm_version(VLLM_VERSION)
-    with pytest.raises(EnvironmentUnavailable, match=f"vLLM 0.31.1 is installed; .* built for vLLM {VLLM_VERSION}"):
+    with pytest.raises(EnvironmentUnavailable,
+                       match=f"vLLM 0.31.1 is installed; .* built for vLLM {VLLM_VERSION}"):
         check_vllm_version("0.31.1")

@@ -26,7 +26,8 @@ def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, s
     kwargs.update(overrides)
     if model_type == "gemma3_text" and kwargs.get("layer_types") is None:
         # alternate local (sliding) and global layers, as Gemma 3 does (5:1 there)
-        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(layers)]
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     config._attn_implementation = "sdpa"

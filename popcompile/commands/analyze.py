@@ -17,20 +17,23 @@ CONFIG_OPTIONS = ("samples", "context_len", "gen_len", "batch_size", "budget")
 
 def register(sub) -> None:
     p = sub.add_parser("analyze", help="measure prefill vs decode importance of every layer (virtual gates)",
-                       description="Gate every residual branch (attention, MLP) of every layer, separately on the "
-                                   "prompt (prefill) and on the generated positions (decode); score each gate by "
-                                   "E[(dL/dg)^2] on real text; write a table, analyze.json and analyze.png, and "
-                                   "recommend a cut.")
+                       description="Gate every residual branch (attention, MLP) of every layer, separately "
+                                   "on the prompt (prefill) and on the generated positions (decode); score "
+                                   "each gate by E[(dL/dg)^2] on real text; write a table, analyze.json and "
+                                   "analyze.png, and recommend a cut.")
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
-    p.add_argument("--out", required=True, type=Path, help="folder for analyze.json and analyze.png (created)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="folder for analyze.json and analyze.png (created)")
     p.add_argument("--samples", type=int, help="sequences to score (default 32)")
     p.add_argument("--context-len", type=int, help="prompt tokens per sequence; POP prefills all but the "
                                                    "last (default 512)")
-    p.add_argument("--gen-len", type=int, help="tokens predicted after the prompt: the decode stage (default 32)")
+    p.add_argument("--gen-len", type=int,
+                   help="tokens predicted after the prompt: the decode stage (default 32)")
     add_corpus_options(p, "score")
-    p.add_argument("--budget", type=float, help="share of the total prefill importance the recommended cut may "
-                                                "prune (default 0.01)")
-    p.add_argument("--batch-size", type=int, help="sequences per forward-backward; memory grows with it (default 2)")
+    p.add_argument("--budget", type=float, help="share of the total prefill importance the recommended cut "
+                                                "may prune (default 0.01)")
+    p.add_argument("--batch-size", type=int,
+                   help="sequences per forward-backward; memory grows with it (default 2)")
     p.add_argument("--force", action="store_true", help="overwrite analyze.json/analyze.png in --out")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.set_defaults(handler=cmd_analyze)

@@ -16,10 +16,10 @@ from ..runtime import RUNTIMES
 
 def register(sub) -> None:
     p = sub.add_parser("build-trt", help="build TensorRT engines for an engine folder (NVIDIA GPU)",
-                       description="Build prefill.plan and decode.plan from the folder's two ONNX graphs with "
-                                   "TensorRT and record them, the TensorRT version, the GPU and the optimization "
-                                   "profiles in its manifest. Kernel timings are kept in timing.cache there, so a "
-                                   "rebuild is fast.")
+                       description="Build prefill.plan and decode.plan from the folder's two ONNX graphs "
+                                   "with TensorRT and record them, the TensorRT version, the GPU and the "
+                                   "optimization profiles in its manifest. Kernel timings are kept in "
+                                   "timing.cache there, so a rebuild is fast.")
     p.add_argument("engine", type=Path, help="engine folder written by `popcompile export`")
     add_build_options(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the plans are up to date")
@@ -30,10 +30,11 @@ def register(sub) -> None:
 def add_build_options(parser) -> None:
     """TensorRT build options, shared by `build-trt` and `export --target tensorrt`."""
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                        help="fp32 (strongly typed, TF32 off: the CPU's numbers), fp16 or bf16 (TensorRT may run "
-                             "layers at that precision; default bf16: fp16 can overflow in RMSNorm)")
+                        help="fp32 (strongly typed, TF32 off: the CPU's numbers), fp16 or bf16 (TensorRT may "
+                             "run layers at that precision; default bf16: fp16 can overflow in RMSNorm)")
     parser.add_argument("--workspace-gb", type=float, default=4.0,
-                        help="GPU memory TensorRT may use for layer workspace while building and running (default 4)")
+                        help="GPU memory TensorRT may use for layer workspace while building and running "
+                             "(default 4)")
     parser.add_argument("--opt-seq", type=int, default=1024,
                         help="prompt length the kernels are tuned for (default 1024; any length below the "
                              "folder's --max-seq runs)")
@@ -84,7 +85,7 @@ def add_runtime_options(parser) -> None:
                         help="onnxruntime (default; --provider picks CPU/CUDA/TensorRT EP) or tensorrt "
                              "(the folder's TensorRT plans from `popcompile build-trt`; NVIDIA GPU)")
     parser.add_argument("--kv-binding", choices=["auto", "static", "gather"], default="auto",
-                        help="TensorRT: how decode steps see the KV buffer (auto: static unless the model has "
-                             "sliding-window layers; see docs/tensorrt.md)")
-    parser.add_argument("--cuda-graph", action="store_true", help="TensorRT: replay decode steps as a CUDA graph "
-                                                                 "(static KV binding)")
+                        help="TensorRT: how decode steps see the KV buffer (auto: static unless the model "
+                             "has sliding-window layers; see docs/tensorrt.md)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="TensorRT: replay decode steps as a CUDA graph (static KV binding)")

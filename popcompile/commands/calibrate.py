@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..config import FIT_METHODS, is_prune_ratio
 from ..errors import ConfigError, InputError, OutputError
 from ..fsutil import check_destination
 from .common import (
@@ -19,27 +20,39 @@ from .common import (
 
 
 def register(sub) -> None:
+    from ..config import DistillConfig, KVFitConfig
+
+    fit, steps = KVFitConfig(), DistillConfig()
     p = sub.add_parser("calibrate", help="fit POP+ K/V projections for the pruned layers (closed form)",
-                       description="Ridge-fit, for every pruned layer, k/v projections that map input_norm(h_cut) "
-                                   "to the K/V the full model makes; write them as safetensors + JSON.")
+                       description="Ridge-fit, for every pruned layer, k/v projections that map "
+                                   "input_norm(h_cut) to the K/V the full model makes; write them as "
+                                   "safetensors + JSON.")
     p.add_argument("model", help="shipped name, a .gguf file or a HF folder")
-    p.add_argument("--out", required=True, type=Path, help="output .safetensors file (the fit's details are in its metadata; "
-                                                             "nothing else is written)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="output .safetensors file (the fit's details are in its metadata; nothing else is "
+                        "written)")
     add_cut_options(p)
     add_corpus_options(p, "calibrate")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
-    p.add_argument("--max-tokens", type=int, default=65536, help="calibration tokens at most (default 65536)")
-    p.add_argument("--ridge", type=float, default=1e-3, help="regulariser, relative to mean diag(X^T X) (1e-3)")
+    p.add_argument("--seq-len", type=int, default=fit.seq_len,
+                   help=f"tokens per calibration window (default {fit.seq_len})")
+    p.add_argument("--max-tokens", type=int, default=fit.max_tokens,
+                   help=f"calibration tokens at most (default {fit.max_tokens})")
+    p.add_argument("--ridge", type=float, default=fit.ridge,
+                   help=f"regulariser, relative to mean diag(X^T X) ({fit.ridge:g})")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
-                   help="fit a bias for every k/v projection (where the model has none: one Add per refitted layer in "
-                        "the prefill graph); --no-bias: only where the model's projection has one. Default: off for "
-                        "--method ridge (it lowered greedy chat agreement, docs/results.md), on for distill")
-    p.add_argument("--method", choices=("ridge", "distill"), default="ridge",
-                   help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, then "
-                        "train on KL(full || POP) of each window's last 48 tokens, stopping early on held-out windows")
-    p.add_argument("--steps", type=int, help="distill: Adam steps at most, one window each (default 900)")
-    p.add_argument("--lr", type=float, help="distill: Adam learning rate (default 1e-4)")
-    p.add_argument("--seed", type=int, help="distill: seed of the held-out split and the window order (default 0)")
+                   help="fit a bias for every k/v projection (where the model has none: one Add per refitted "
+                        "layer in the prefill graph); --no-bias: only where the model's projection has one. "
+                        "Default: off for --method ridge (it lowered greedy chat agreement, "
+                        "docs/results.md), on for distill")
+    p.add_argument("--method", choices=FIT_METHODS, default=fit.method,
+                   help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, "
+                        f"then train on KL(full || POP) of each window's last {steps.continuation} tokens, "
+                        "stopping early on held-out windows")
+    p.add_argument("--steps", type=int,
+                   help=f"distill: Adam steps at most, one window each (default {steps.steps})")
+    p.add_argument("--lr", type=float, help=f"distill: Adam learning rate (default {steps.lr:g})")
+    p.add_argument("--seed", type=int,
+                   help=f"distill: seed of the held-out split and the window order (default {steps.seed})")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(handler=cmd_calibrate)
 
@@ -47,16 +60,15 @@ def register(sub) -> None:
 def cmd_calibrate(args) -> None:
     check_range("--seq-len", args.seq_len, 1)  # before torch is imported: bad options fail in a second
     check_range("--max-tokens", args.max_tokens, 1)
-    check_range("--prune-ratio", args.prune_ratio, 0.0, 1.0, below_high=True)
+    if args.prune_ratio is not None and not is_prune_ratio(args.prune_ratio):
+        raise ConfigError(f"--prune-ratio must be within 0 <= ratio < 1, got {args.prune_ratio}")
     check_range("--ridge", args.ridge, 0.0)
-    distill = distill_config(args)
+    config = fit_config(args)
     check_output_file(args.out, args.force)
     precheck_model(args.model)
-    import torch
-
     from ..config import resolve_cut
     from ..frontend.models import load_model
-    from ..kvfit.calibrate import fit_kv_cuts, save_fit
+    from ..kvfit.calibrate import save_fit
     from ..kvfit.distill import check_cut
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
@@ -65,36 +77,28 @@ def cmd_calibrate(args) -> None:
     cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
     check_cut(cut, loaded.model.config.num_hidden_layers)  # before minutes of fitting
     batches = calibration_batches(args, loaded.tokenizer, sources)
-    bias = args.method == "distill" if args.bias is None else args.bias
-    if distill is not None:  # the ridge fit's statistics come from the distillation's own forward
-        fit, note = distill_fit(loaded.model, torch.cat(batches), cut, distill, ridge=args.ridge, bias=bias)
-    else:
-        with torch.no_grad(), _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
-            fit = fit_kv_cuts(loaded.model, batches, [cut], ridge=args.ridge, bias=bias,
-                              progress=bar.update)[cut]
-        note = ""
+    fit, note = fitted(loaded.model, batches, cut, config)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
     print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
           f"{fit.info.tokens} tokens (ridge {fit.info.ridge}{note})")
 
 
-def distill_config(args):
-    """The DistillConfig of --method distill (None for ridge); ConfigError for bad or misplaced values."""
-    given = [flag for flag, value in (("--steps", args.steps), ("--lr", args.lr), ("--seed", args.seed))
-             if value is not None]
-    if args.method == "ridge":
-        if given:
-            raise ConfigError(f"{', '.join(given)} apply to --method distill only: add --method distill or drop them")
-        return None
-    from ..config import DistillConfig
+def fit_config(args):
+    """The KVFitConfig of the flags; ConfigError for bad or misplaced values (before the model loads)."""
+    from ..config import DistillConfig, KVFitConfig
 
-    chosen = {name: value for name, value in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed))
-              if value is not None}
-    config = DistillConfig(**chosen)
-    if args.seq_len < config.continuation + 2:
-        raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt before the {config.continuation} scored "
-                          f"tokens of --method distill: use --seq-len >= {config.continuation + 2}")
+    given = {name: value for name, value in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed))
+             if value is not None}
+    if args.method == "ridge" and given:
+        raise ConfigError(f"{', '.join(f'--{name}' for name in given)} apply to --method distill only: add "
+                          "--method distill or drop them")
+    config = KVFitConfig(method=args.method, ridge=args.ridge, bias=args.bias, seq_len=args.seq_len,
+                         max_tokens=args.max_tokens, distill=DistillConfig(**given))
+    continuation = config.distill.continuation
+    if config.method == "distill" and args.seq_len < continuation + 2:
+        raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt before the {continuation} scored "
+                          f"tokens of --method distill: use --seq-len >= {continuation + 2}")
     return config
 
 
@@ -108,7 +112,8 @@ def calibration_batches(args, tokenizer, sources) -> list:
     else:
         batches = default_batches(tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
     if not batches:
-        raise InputError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: give more text")
+        raise InputError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: "
+                         "give more text")
     return batches
 
 
@@ -116,10 +121,14 @@ def calibration_batches(args, tokenizer, sources) -> list:
 PHASES = {"teacher": ("win", "full model (ridge fit, distillation's inputs)"), "train": ("step", "distill")}
 
 
-def distill_fit(model, windows, cut: int, config, *, ridge: float, bias: bool):
-    """(the ridge fit distilled, a note for the summary line), with a progress bar per phase."""
-    from ..kvfit.distill import ridge_then_distill
+def fitted(model, batches: list, cut: int, config):
+    """(the fit, a note for the summary line), through ``kvfit.fit.fit_cut`` with progress bars: tokens for
+    ridge; for distill one bar per phase (the ridge fit's statistics come from the distillation's forward)."""
+    from ..kvfit.fit import fit_cut
 
+    if config.method == "ridge":
+        with _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
+            return fit_cut(model, batches, cut, config, progress=bar.update)[0], ""
     bars: dict = {}  # phase -> its bar, opened at the phase's first report
 
     def report(event) -> None:
@@ -132,12 +141,12 @@ def distill_fit(model, windows, cut: int, config, *, ridge: float, bias: bool):
         if event.loss is not None:
             bar.set_postfix(kl=f"{event.loss:.4f}", held_out=f"{event.held_out:.4f}", refresh=False)
     try:
-        result = ridge_then_distill(model, windows, cut, config, ridge=ridge, bias=bias, progress=report)
+        fit, result = fit_cut(model, batches, cut, config, progress=report)
     finally:
         for bar in bars.values():
             bar.close()
-    return result.fit, (f"; distilled {result.steps_run} steps, held-out KL {result.initial_kl:.4f} -> "
-                        f"{result.best_kl:.4f} at step {result.best_step}")
+    return fit, (f"; distilled {result.steps_run} steps, held-out KL {result.initial_kl:.4f} -> "
+                 f"{result.best_kl:.4f} at step {result.best_step}")
 
 
 def _bar(total: int, unit: str, desc: str):

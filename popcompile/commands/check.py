@@ -7,8 +7,8 @@ from pathlib import Path
 
 def register(sub) -> None:
     p = sub.add_parser("check", help="check an engine folder's graphs against a deployment target",
-                       description="Check every op, dtype, opset and dynamic dimension of both graphs against "
-                                   "what the target's ONNX parser supports (no GPU needed).")
+                       description="Check every op, dtype, opset and dynamic dimension of both graphs "
+                                   "against what the target's ONNX parser supports (no GPU needed).")
     p.add_argument("engine", type=Path, help="engine folder")
     p.add_argument("--target", choices=["tensorrt"], default="tensorrt", help="deployment target (tensorrt)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")

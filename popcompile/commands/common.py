@@ -63,7 +63,8 @@ def quiet_libraries() -> None:
 
 def check_range(flag: str, value: float | None, low: float, high: float = math.inf, *,
                 below_high: bool = False) -> None:
-    """ConfigError unless ``value`` is None or a finite number in [low, high] ([low, high) with ``below_high``)."""
+    """ConfigError unless ``value`` is None or a finite number in [low, high] ([low, high) with
+    ``below_high``)."""
     if value is None:
         return
     inside = math.isfinite(value) and low <= value and (value < high if below_high else value <= high)
@@ -81,7 +82,8 @@ def precheck_model(name: str) -> None:
         try:
             ok = isinstance(json.loads(config.read_text(encoding="utf-8")), dict)
         except (OSError, ValueError) as err:
-            raise ModelError(f"{config} cannot be read ({err}): repair or re-download the model folder") from None
+            raise ModelError(f"{config} cannot be read ({err}): "
+                             "repair or re-download the model folder") from None
         if not ok:
             raise ModelError(f"{config} is not a JSON object: repair or re-download the model folder")
 
@@ -103,7 +105,8 @@ def add_corpus_options(p, verb: str) -> None:
     p.add_argument("--jsonl", type=Path, action="append", default=[],
                    help=f"{verb} on this JSON-lines file: one string, or object with --jsonl-field, per line "
                         "(repeatable)")
-    p.add_argument("--jsonl-field", default="text", help="field holding the text in --jsonl objects (default text)")
+    p.add_argument("--jsonl-field", default="text",
+                   help="field holding the text in --jsonl objects (default text)")
 
 
 def user_sources(args) -> dict[str, list[str]] | None:

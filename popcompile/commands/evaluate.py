@@ -12,18 +12,19 @@ from .common import add_cut_options, quiet_libraries
 def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="compare POP's quality with the full model and the ablations, or score an engine folder",
-        description="Score the variants (full, pop, pop-kvfit, pop-distill, pop-no-boundary, pop-no-kv, shortgpt, and "
-                    "the seed paper's other baselines wanda (30% unstructured sparsity) and slicegpt (25% of "
-                    "the hidden dimension sliced; not Gemma 3)) on the same real "
+        description="Score the variants (full, pop, pop-kvfit, pop-distill, pop-no-boundary, pop-no-kv, "
+                    "shortgpt, and the seed paper's other baselines wanda (30% unstructured sparsity) and "
+                    "slicegpt (25% of the hidden dimension sliced; not Gemma 3)) on the same real "
                     "data: teacher-forced continuation of stdlib/HumanEval sources, greedy chat generations, "
-                    "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine itself "
-                    "with onnxruntime: full (the decode graph on the whole prompt) and pop (its prefill graph at "
-                    "the exported cut); the ablations, --cut and --sweep need the model.")
+                    "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine "
+                    "itself with onnxruntime: full (the decode graph on the whole prompt) and pop (its "
+                    "prefill graph at the exported cut); the ablations, --cut and --sweep need the model.")
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder, "
                                  "or an engine folder from `popcompile export`")
     p.add_argument("--tasks", help="comma list of continuation, generation, humaneval, chat (default: "
-                                   "continuation,generation; none with --sweep; chat: three-turn conversations, POP "
-                                   "with the cache carried across turns vs re-prefilled, a model only)")
+                                   "continuation,generation; none with --sweep; chat: three-turn "
+                                   "conversations, POP with the cache carried across turns vs re-prefilled, "
+                                   "a model only)")
     p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder; "
                                       "pop-distill distils the pruned K/V for its cut first: minutes on CPU; "
                                       "wanda and slicegpt calibrate on the built-in corpus first)")
@@ -32,17 +33,23 @@ def register(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
     p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
     p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per chat prompt (default 64)")
-    p.add_argument("--code-tokens", type=int, default=256, help="max tokens per HumanEval completion (default 256)")
+    p.add_argument("--code-tokens", type=int, default=256,
+                   help="max tokens per HumanEval completion (default 256)")
     p.add_argument("--code-prompt", choices=PROMPT_FORMATS, default="auto",
-                   help="HumanEval prompt: chat (the problem as a request under the chat template, code block "
-                        "extracted), raw (the bare prompt to continue), auto (chat when the tokenizer has a template)")
+                   help="HumanEval prompt: chat (the problem as a request under the chat template, code "
+                        "block extracted), raw (the bare prompt to continue), auto (chat when the tokenizer "
+                        "has a template)")
     p.add_argument("--batch-size", type=int, help="documents per forward (default: by vocabulary size)")
-    p.add_argument("--sweep", action="store_true", help="continuation task at every cut L..ceil(L/2) for pop and "
-                                                         "pop-kvfit (pop-distill too when in --variants: minutes per cut)")
-    p.add_argument("--min-agreement", type=float, default=0.95, help="agreement for the sweep's auto cut (0.95)")
+    p.add_argument("--sweep", action="store_true",
+                   help="continuation task at every cut L..ceil(L/2) for pop and "
+                        "pop-kvfit (pop-distill too when in --variants: minutes per cut)")
+    p.add_argument("--min-agreement", type=float, default=0.95,
+                   help="agreement for the sweep's auto cut (0.95)")
     p.add_argument("--allow-code-exec", action="store_true",
-                   help="allow the humaneval task to execute model-written code (in a subprocess with a timeout)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test program (default 10)")
+                   help="allow the humaneval task to execute model-written code (in a subprocess with a "
+                        "timeout)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds per HumanEval test program (default 10)")
     p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"],
                    help="onnxruntime provider for an engine folder (default cpu)")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads for an engine folder "
@@ -61,7 +68,8 @@ def config_from_args(args):
     return EvalConfig(
         tasks=parse_tasks(args.tasks, args.sweep), variants=variants or None, cut=args.cut,
         prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
-        gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size, sweep=args.sweep,
+        gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size,
+        sweep=args.sweep,
         min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec, timeout=args.timeout,
         code_prompt=args.code_prompt, provider=args.provider, threads=args.threads, force=args.force)
 

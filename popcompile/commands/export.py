@@ -5,10 +5,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import ATTENTION_LOWERINGS, WEIGHT_FORMATS
+from ..config import ATTENTION_LOWERINGS, DTYPES, WEIGHT_FORMATS, PopConfig
 from ..engine.manifest import BOUNDARIES
 from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
+from ..threshold import DEFAULT_MIN_SPEEDUP, FIXED_MIN_PROMPT_TOKENS
 from . import build_trt
 from .common import CliError, add_cut_options, check_range, precheck_model, quiet_libraries
 from .info import summary
@@ -23,50 +24,60 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="engine folder to create (must not exist)")
     add_cut_options(p, allow_auto=True)
     p.add_argument("--min-agreement", type=float,
-                   help="with --cut auto: the deepest-pruning cut whose top-1 agreement with the full model on the "
-                        "built-in continuation data is at least this (e.g. 0.95; runs the eval sweep, minutes)")
+                   help="with --cut auto: the deepest-pruning cut whose top-1 agreement with the full model "
+                        "on the built-in continuation data is at least this (e.g. 0.95; runs the eval sweep, "
+                        "minutes)")
     p.add_argument("--budget", type=float,
-                   help="with --cut auto (no --min-agreement): share of prefill importance the pruned layers may hold "
-                        "(default: analyze's)")
-    p.add_argument("--max-seq", type=int, help="maximum tokens per sequence (default: min(4096, model limit))")
-    p.add_argument("--kv-calibration", default="auto", metavar="{auto,none,distill,FILE}",
-                   help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit now on "
-                        "the built-in corpus, 2-5 min on CPU; better quality at no inference cost, docs/results.md), "
-                        "distill (POP++: auto's fit, then trained on the output, KL(full || POP); minutes more on "
-                        "CPU), none (the paper's POP), or a file from `popcompile calibrate`")
+                   help="with --cut auto (no --min-agreement): share of prefill importance the pruned "
+                        "layers may hold (default: analyze's)")
+    p.add_argument("--max-seq", type=int,
+                   help="maximum tokens per sequence (default: min(4096, model limit))")
+    p.add_argument("--kv-calibration", default=str(PopConfig().kv_calibration),
+                   metavar="{auto,none,distill,FILE}",
+                   help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit "
+                        "now on the built-in corpus, 2-5 min on CPU; better quality at no inference cost, "
+                        "docs/results.md), distill (POP++: auto's fit, then trained on the output, "
+                        "KL(full || POP); minutes more on CPU), none (the paper's POP), or a file from "
+                        "`popcompile calibrate`")
     p.add_argument("--target", choices=list(TARGETS), default="onnx",
-                   help="engine format (default onnx; tensorrt needs an NVIDIA GPU; vllm writes a folder that "
-                        "`vllm serve` runs with POP, docs/vllm.md)")
-    p.add_argument("--force", action="store_true", help="replace --out if it is an engine folder (only once the new "
-                                                        "one is complete; any other folder is refused)")
+                   help="engine format (default onnx; tensorrt needs an NVIDIA GPU; vllm writes a folder "
+                        "that `vllm serve` runs with POP, docs/vllm.md)")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it is an engine folder (only once the new one is complete; any "
+                        "other folder is refused)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
-    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
-                   help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to run)")
+    p.add_argument("--dtype", choices=DTYPES, default=PopConfig.dtype,
+                   help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to "
+                        "run)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="float",
-                   help="weight format of the onnx target: float (default: the --dtype), int8 or int4 (onnxruntime's "
-                        "MatMulNBits, weight-only: every matmul weight and the LM head in blocks with one scale "
-                        "each; decode reads 4-8x fewer bytes; quality in docs/results.md)")
+                   help="weight format of the onnx target: float (default: the --dtype), int8 or int4 "
+                        "(onnxruntime's MatMulNBits, weight-only: every matmul weight and the LM head in "
+                        "blocks with one scale each; decode reads 4-8x fewer bytes; quality in "
+                        "docs/results.md)")
     p.add_argument("--block-size", type=int,
-                   help="with --weights int8/int4: input channels per quantisation block, a power of two 16..256 "
-                        "(default 32; smaller: closer to float, slightly larger weights)")
+                   help="with --weights int8/int4: input channels per quantisation block, a power of two "
+                        "16..256 (default 32; smaller: closer to float, slightly larger weights)")
     p.add_argument("--accuracy-level", type=int, choices=range(5), metavar="{0..4}",
-                   help="with --weights int8/int4: MatMulNBits' compute type on CPU (default 4: int8 activations, "
-                        "the fastest; 1: float32)")
+                   help="with --weights int8/int4: MatMulNBits' compute type on CPU (default 4: int8 "
+                        "activations, the fastest; 1: float32)")
     p.add_argument("--attention", choices=ATTENTION_LOWERINGS,
-                   help="attention in the onnx target's graphs: auto (default: fused for float32, standard for "
-                        "float16), fused (onnxruntime's GroupQueryAttention and fused RMSNorm: faster prefill and "
-                        "decode on CPU, docs/benchmarks.md) or standard (plain ONNX ops, for other runtimes and "
-                        "`build-trt`; --target tensorrt always uses them)")
-    p.add_argument("--boundary", choices=BOUNDARIES, default="folded",
-                   help="how the last prompt token x_N gets the full model: folded (default: inside the prefill "
-                        "graph, which takes x_1..x_N and returns its logits; one call to the first token) or "
-                        "separate (a decode-graph call after a prefill of x_1..x_{N-1}, the paper's layout)")
-    p.add_argument("--min-prompt-tokens", type=_threshold_arg, default="auto", metavar="{auto,N}",
+                   help="attention in the onnx target's graphs: auto (default: fused for float32, standard "
+                        "for float16), fused (onnxruntime's GroupQueryAttention and fused RMSNorm: faster "
+                        "prefill and decode on CPU, docs/benchmarks.md) or standard (plain ONNX ops, for "
+                        "other runtimes and `build-trt`; --target tensorrt always uses them)")
+    p.add_argument("--boundary", choices=BOUNDARIES, default=PopConfig.boundary,
+                   help="how the last prompt token x_N gets the full model: folded (default: inside the "
+                        "prefill graph, which takes x_1..x_N and returns its logits; one call to the first "
+                        "token) or separate (a decode-graph call after a prefill of x_1..x_{N-1}, the "
+                        "paper's layout)")
+    p.add_argument("--min-prompt-tokens", type=_threshold_arg, default=PopConfig.min_prompt_tokens,
+                   metavar="{auto,N}",
                    help="prompts shorter than this prefill with the full model, where POP gains little (run "
-                        "--min-prompt-tokens overrides it): auto (default: measure POP against full on the new "
-                        "engine, seconds; the shortest length from which it is >= 1.2x faster, "
-                        "docs/prompt_length.md; --target vllm: 64, nothing is measured there) or N (0: POP for "
-                        "every prompt)")
+                        "--min-prompt-tokens overrides it): auto (default: measure POP against full on the "
+                        "new engine, seconds; the shortest length from which it is >= "
+                        f"{DEFAULT_MIN_SPEEDUP}x faster, docs/prompt_length.md; --target vllm: "
+                        f"{FIXED_MIN_PROMPT_TOKENS}, nothing is measured there) or N (0: POP for every "
+                        "prompt)")
     build_trt.add_build_options(p)
     p.set_defaults(handler=cmd_export)
 
@@ -111,9 +122,9 @@ def _target(args):
     if quantized and args.weights == "float":
         raise CliError("--block-size and --accuracy-level go with --weights int8 or int4")
     if args.attention is not None and args.target != "onnx":
-        raise CliError(f"--attention {args.attention} lowers the onnx target's graphs; --target {args.target} "
-                       f"{'always takes standard ONNX ops' if args.target == 'tensorrt' else 'has no graphs'}: "
-                       "drop --attention")
+        takes = "always takes standard ONNX ops" if args.target == "tensorrt" else "has no graphs"
+        raise CliError(f"--attention {args.attention} lowers the onnx target's graphs; "
+                       f"--target {args.target} {takes}: drop --attention")
     if args.target == "tensorrt":
         return TARGETS["tensorrt"](build_trt.build_config(args))
     if args.target == "onnx":
@@ -129,8 +140,8 @@ def _check_auto_cut_calibration(args, config) -> None:
         from ..kvfit.calibrate import load_fit
 
         cut = load_fit(config.kv_calibration.path).info.cut
-        raise CliError(f"--cut auto chooses the cut, but --kv-calibration {config.kv_calibration} was fitted for "
-                       f"cut {cut}: give --cut {cut}, or --kv-calibration auto to fit for the chosen cut")
+        raise CliError(f"--cut auto chooses the cut, but --kv-calibration {config.kv_calibration} was fitted "
+                       f"for cut {cut}: give --cut {cut}, or --kv-calibration auto to fit for the chosen cut")
 
 
 def _check_cut_options(args) -> None:

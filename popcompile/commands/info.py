@@ -21,10 +21,12 @@ def cmd_info(args) -> None:
 def summary(folder: Path, manifest) -> str:
     size = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
     layout = manifest.kv_layout
-    return (f"{folder}: {manifest.model['name']} ({manifest.model['model_type']}), {manifest.num_layers} layers, "
+    return (f"{folder}: {manifest.model['name']} ({manifest.model['model_type']}), "
+            f"{manifest.num_layers} layers, "
             f"cut {manifest.cut} (layers {manifest.cut}..{manifest.num_layers - 1} pruned in prefill), "
             f"boundary {manifest.boundary}\n"
-            f"KV layout: {layout.num_layers} x [batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
+            f"KV layout: {layout.num_layers} x "
+            f"[batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
             f"{_weights(manifest)}"
             f"{_attention(manifest)}"
@@ -45,7 +47,8 @@ def _attention(manifest) -> str:
     layers = manifest.attention.get("layers")
     if not isinstance(layers, dict):
         return "attention: standard ONNX ops\n"
-    forms = "; ".join(f"{graph}: " + ", ".join(f"{count} {form}" for form, count in sorted(counts.items()) if count)
+    forms = "; ".join(f"{graph}: "
+                      + ", ".join(f"{count} {form}" for form, count in sorted(counts.items()) if count)
                       for graph, counts in sorted(layers.items()) if isinstance(counts, dict))
     shared = [graph for graph in ("prefill", "decode") if manifest.shares_kv(graph)]
     extra = f"; {' and '.join(shared)} on the shared KV buffer" if shared else ""
@@ -63,5 +66,6 @@ def _threshold(manifest) -> str:
         return head
     if not isinstance(record.get("table"), list):
         return f"{head} ({record.get('note', 'not measured')})"
-    rows = ", ".join(f"{row.get('tokens')}: {row.get('speedup')}x" for row in record["table"] if isinstance(row, dict))
+    rows = ", ".join(f"{row.get('tokens')}: {row.get('speedup')}x"
+                     for row in record["table"] if isinstance(row, dict))
     return f"{head} (measured with {record.get('runtime')}, bar {record.get('min_speedup')}x: {rows})"

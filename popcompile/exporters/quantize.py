@@ -39,8 +39,10 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization) -
         return proto
     quantizer_module = _import_quantizer()
     untie_gemm_heads(proto)
-    config = quantizer_module.DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=True,
-                                          accuracy_level=quantization.accuracy_level, bits=quantization.bits)
+    config = quantizer_module.DefaultWeightOnlyQuantConfig(block_size=quantization.block_size,
+                                                           is_symmetric=True,
+                                                           accuracy_level=quantization.accuracy_level,
+                                                           bits=quantization.bits)
     with _quiet():
         quantizer = quantizer_module.MatMulNBitsQuantizer(proto, algo_config=config)
         quantizer.process()
@@ -64,7 +66,8 @@ def untie_gemm_heads(proto: onnx.ModelProto) -> int:
         product = f"{node.output[0]}.matmul" if len(node.input) > 2 else node.output[0]
         nodes.append(helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.name}.matmul"))
         if len(node.input) > 2:
-            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}.bias"))
+            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]],
+                                          name=f"{node.name}.bias"))
         count += 1
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)

@@ -2,5 +2,6 @@
 count them for a progress bar (targets.py), so that neither imports the other."""
 
 ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
-FUSE_STEP = "fuse attention for onnxruntime"  # after the exports, with attention="fused" (the onnx target's default)
+# after the exports, with attention="fused" (the onnx target's default)
+FUSE_STEP = "fuse attention for onnxruntime"
 QUANTIZE_STEP = "quantize weights"   # then, with --weights int8/int4

@@ -3,7 +3,8 @@
     "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime;
                 attention and norms fused into its contrib ops (exporters/ort_attention.py) unless
                 ``OnnxTarget(attention="standard")``;
-                ``OnnxTarget(WeightQuantization("int4"))``: int8/int4 MatMulNBits weights (exporters/quantize.py)
+                ``OnnxTarget(WeightQuantization("int4"))``: int8/int4 MatMulNBits weights
+                (exporters/quantize.py)
     "tensorrt"  the same ONNX folder, then prefill.plan + decode.plan built from it (exporters/tensorrt.py);
                 runs on the TensorRT runtime; needs an NVIDIA GPU and the ``tensorrt`` package
     "vllm"      a Hugging Face folder naming a POP class (exporters/vllm.py) that vLLM serves with the
@@ -13,11 +14,12 @@ A target is a frozen dataclass holding its own build options. The driver calls, 
 ``preflight()`` (before the model loads: fail in a second, not after minutes), ``write(folder, ...)``
 (into the staged folder, returning its manifest) and names ``runtime`` to measure
 ``min_prompt_tokens`` with (None: the folder has no popcompile runtime). ``graphs``: whether the driver
-captures the model and runs the POP pass for it. Heavy imports (torch, onnx, tensorrt) happen inside ``write``.
+captures the model and runs the POP pass for it. Heavy imports (torch, onnx, tensorrt) happen inside
+``write``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
@@ -42,10 +44,11 @@ Step = Callable[[str], None]
 
 @dataclass(frozen=True)
 class OnnxTarget:
-    """The ONNX engine folder (the default); ``weights``: float, or int8/int4 MatMulNBits (exporters/quantize.py);
-    ``attention``: fused (onnxruntime's GroupQueryAttention and fused norms, exporters/ort_attention.py),
-    standard (plain ONNX ops, which other runtimes and ``build-trt`` take) or auto (the default: fused for
-    float32 graphs, standard for float16 ones, where onnxscript's fusions leave norms of mixed types)."""
+    """The ONNX engine folder (the default); ``weights``: float, or int8/int4 MatMulNBits
+    (exporters/quantize.py); ``attention``: fused (onnxruntime's GroupQueryAttention and fused norms,
+    exporters/ort_attention.py), standard (plain ONNX ops, which other runtimes and ``build-trt`` take) or
+    auto (the default: fused for float32 graphs, standard for float16 ones, where onnxscript's fusions leave
+    norms of mixed types)."""
 
     weights: WeightQuantization = field(default_factory=WeightQuantization)
     attention: str = "auto"
@@ -55,29 +58,37 @@ class OnnxTarget:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_LOWERINGS:
-            raise ConfigError(f"--attention {self.attention!r} (attention={self.attention!r}) is not an attention "
-                              f"lowering: choose one of {', '.join(ATTENTION_LOWERINGS)}")
+            raise ConfigError(f"--attention {self.attention!r} (attention={self.attention!r}) is not an "
+                              f"attention lowering: choose one of {', '.join(ATTENTION_LOWERINGS)}")
 
     @property
     def steps(self) -> tuple[str, ...]:
-        optional = (FUSE_STEP,) * (self.attention != "standard") + (QUANTIZE_STEP,) * (self.weights.bits is not None)
+        optional = ((FUSE_STEP,) * (self.attention != "standard")
+                    + (QUANTIZE_STEP,) * (self.weights.bits is not None))
         return (*ONNX_STEPS[:2], *optional, *ONNX_STEPS[2:])
 
     def lowering(self, dtype: str) -> str:
-        """fused or standard, for graphs of ``dtype``."""
+        """fused or standard, for graphs of ``dtype``: the one place "auto" is decided."""
         if self.attention == "auto":
             return "fused" if dtype == "float32" else "standard"
         return self.attention
 
+    def for_config(self, config: PopConfig) -> OnnxTarget:
+        """This target with its attention lowering resolved for ``config``'s dtype (the driver resolves it
+        once, after ``preflight``, so that the steps it lists are the steps that run)."""
+        return replace(self, attention=self.lowering(config.dtype))
+
     def preflight(self, config: PopConfig) -> None:
-        """Quantised weights and fused attention only over float32 graphs: onnxruntime's CPU kernels run float16
-        through casts, and the fusions give float16 graphs norms of mixed types that do not load."""
+        """Quantised weights and fused attention only over float32 graphs: onnxruntime's CPU kernels run
+        float16 through casts, and the fusions give float16 graphs norms of mixed types that do not load."""
         if self.attention == "fused" and config.dtype != "float32":
-            raise ConfigError(f"--attention fused with --dtype {config.dtype}: onnxruntime's fused attention is "
-                              "written for float32 graphs: drop --attention (auto keeps float16 graphs standard)")
+            raise ConfigError(f"--attention fused with --dtype {config.dtype}: onnxruntime's fused attention "
+                              "is written for float32 graphs: drop --attention (auto keeps float16 graphs "
+                              "standard)")
         if self.weights.bits is not None and config.dtype != "float32":
-            raise ConfigError(f"--weights {self.weights.format} with --dtype {config.dtype}: int8/int4 weights are "
-                              "quantised from float32 graphs: drop --dtype (float32 is the default)")
+            raise ConfigError(f"--weights {self.weights.format} with --dtype {config.dtype}: int8/int4 "
+                              "weights are quantised from float32 graphs: drop --dtype (float32 is the "
+                              "default)")
 
     def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
               config: PopConfig, step: Step) -> EngineManifest:
@@ -85,7 +96,7 @@ class OnnxTarget:
 
         cut_choice = config.cut_choice and dict(config.cut_choice)
         return write_engine(folder, loaded, pair, fit, cut_choice, step, self.weights,
-                            self.lowering(pair.layout.dtype), report_fuse=self.attention != "standard")
+                            self.lowering(pair.layout.dtype))
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,9 @@ class TensorRTTarget:
     runtime = "tensorrt"
     steps = ONNX_STEPS + BUILD_STEPS
     graphs = True
+
+    def for_config(self, config: PopConfig) -> TensorRTTarget:
+        return self
 
     def preflight(self, config: PopConfig) -> None:
         from ..engine.tensorrt import require_gpu
@@ -114,31 +128,38 @@ class TensorRTTarget:
 
 @dataclass(frozen=True)
 class VllmTarget:
-    """A Hugging Face folder that vLLM serves with POP (popcompile.vllm_plugin); vLLM is not needed to write it."""
+    """A Hugging Face folder that vLLM serves with POP (popcompile.vllm_plugin); vLLM is not needed to write
+    it."""
 
     name = "vllm"
     runtime = None
     steps = (VLLM_WRITE_STEP,)
     graphs = False
 
+    def for_config(self, config: PopConfig) -> VllmTarget:
+        return self
+
     def preflight(self, config: PopConfig) -> None:
         """Options that shape popcompile's own engines mean nothing to vLLM: refused, not ignored."""
         if config.boundary != "folded":
-            raise ConfigError(f"--boundary {config.boundary} (boundary={config.boundary!r}) lays out ONNX graphs; "
-                              "in vLLM the last prompt token always runs the full model: drop it for --target vllm")
+            raise ConfigError(f"--boundary {config.boundary} (boundary={config.boundary!r}) lays out ONNX "
+                              "graphs; in vLLM the last prompt token always runs the full model: drop it for "
+                              "--target vllm")
         if config.max_seq is not None:
             raise ConfigError(f"--max-seq {config.max_seq} (max_seq={config.max_seq}) sizes popcompile's KV "
-                              "buffers; vLLM pages its own: give vLLM max_model_len instead, for --target vllm")
+                              "buffers; vLLM pages its own: give vLLM max_model_len instead, for --target "
+                              "vllm")
 
     def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: None, fit: KVFit | None,
               config: PopConfig, step: Step) -> ServingFolder:
-        """``config.min_prompt_tokens`` "auto": threshold.FIXED_MIN_PROMPT_TOKENS (nothing is measured in vLLM at
-        export: writing the folder needs no vLLM)."""
+        """``config.min_prompt_tokens`` "auto": threshold.FIXED_MIN_PROMPT_TOKENS (nothing is measured in vLLM
+        at export: writing the folder needs no vLLM)."""
         from .vllm import write_folder
 
         step(VLLM_WRITE_STEP)
         threshold = config.min_prompt_tokens
-        return write_folder(folder, loaded, cut, fit, FIXED_MIN_PROMPT_TOKENS if threshold == "auto" else threshold)
+        return write_folder(folder, loaded, cut, fit,
+                            FIXED_MIN_PROMPT_TOKENS if threshold == "auto" else threshold)
 
 
 Target = Union[OnnxTarget, TensorRTTarget, VllmTarget]

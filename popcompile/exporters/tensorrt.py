@@ -87,14 +87,16 @@ class TrtBuildConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.opt_batch > self.max_batch:
-            raise ConfigError(f"opt_batch={self.opt_batch} exceeds max_batch={self.max_batch}: raise --max-batch")
+            raise ConfigError(f"opt_batch={self.opt_batch} exceeds max_batch={self.max_batch}: "
+                              "raise --max-batch")
         if self.optimization_level not in range(6):
             raise ConfigError(f"optimization_level must be 0..5, got {self.optimization_level!r}")
         if not isinstance(self.timing_cache, str) or not self.timing_cache:
             raise ConfigError(f"timing_cache must be a file name or path, got {self.timing_cache!r}")
 
 
-def profiles(layout: KVLayout, config: TrtBuildConfig, *, static_decode: bool) -> dict[str, tuple[Profile, ...]]:
+def profiles(layout: KVLayout, config: TrtBuildConfig, *,
+             static_decode: bool) -> dict[str, tuple[Profile, ...]]:
     """The optimization profiles of both engines (table in the module docstring), in profile-index order."""
     if layout.max_seq < 2:
         raise ValueError(f"max_seq={layout.max_seq} leaves no room for a prompt and a token: "
@@ -122,7 +124,8 @@ def _io(layout: KVLayout, config: TrtBuildConfig, seq: tuple, past: tuple) -> di
 
 
 def has_sliding_window(folder: Path) -> bool:
-    """Whether the model in the folder's config.json has sliding-window layers (as arch.layer_kinds reads it)."""
+    """Whether the model in the folder's config.json has sliding-window layers (as arch.layer_kinds reads
+    it)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise EngineError(f"{folder}: config.json is missing: re-export the engine folder")
@@ -135,8 +138,8 @@ def has_sliding_window(folder: Path) -> bool:
 
 def section_config(section: TrtSection) -> dict:
     """The build settings a section records, to tell whether a rebuild is needed."""
-    return {"precision": section.precision, "workspace_gb": section.workspace_gb, "max_batch": section.max_batch,
-            "profiles": section.profiles}
+    return {"precision": section.precision, "workspace_gb": section.workspace_gb,
+            "max_batch": section.max_batch, "profiles": section.profiles}
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -154,7 +157,8 @@ def build_engines(folder: str | Path, config: TrtBuildConfig | None = None, *,
         return _build_engines(folder, config, progress or (lambda name: None), force)
 
 
-def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], None], force: bool) -> TrtSection:
+def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], None],
+                   force: bool) -> TrtSection:
     step("check graphs")
     manifest = EngineManifest.read(folder)
     onnx_sha = _check_graphs(folder, manifest)
@@ -165,7 +169,8 @@ def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], N
     trt = _import_tensorrt()
     gpu, capability = gpu_info()
     wanted = {"precision": config.precision, "workspace_gb": float(config.workspace_gb),
-              "max_batch": config.max_batch, "profiles": {k: [p.to_dict() for p in v] for k, v in plan.items()}}
+              "max_batch": config.max_batch,
+              "profiles": {k: [p.to_dict() for p in v] for k, v in plan.items()}}
     current = _current(manifest, folder)
     if not force and current and _up_to_date(current, folder, onnx_sha, wanted, trt.__version__, capability):
         return current
@@ -186,13 +191,14 @@ def _check_graphs(folder: Path, manifest: EngineManifest) -> dict[str, str]:
     from .tensorrt_compat import check_engine
 
     if manifest.quantization:
-        raise EngineError(f"{folder} has {manifest.quantization.get('format')} weights (onnxruntime's MatMulNBits), "
-                          "which TensorRT does not take: run it with onnxruntime, or re-export with --weights float "
-                          "for TensorRT")
+        raise EngineError(f"{folder} has {manifest.quantization.get('format')} weights "
+                          "(onnxruntime's MatMulNBits), which TensorRT does not take: run it with "
+                          "onnxruntime, or re-export with --weights float for TensorRT")
     if manifest.attention:
-        raise EngineError(f"{folder} has attention fused into onnxruntime's contrib ops (GroupQueryAttention), which "
-                          "TensorRT does not take: run it with onnxruntime, or re-export with --target tensorrt "
-                          "(or --attention standard, i.e. OnnxTarget(attention=standard)) for TensorRT")
+        raise EngineError(f"{folder} has attention fused into onnxruntime's contrib ops "
+                          "(GroupQueryAttention), which TensorRT does not take: run it with onnxruntime, or "
+                          "re-export with --target tensorrt (or --attention standard, i.e. "
+                          "OnnxTarget(attention=standard)) for TensorRT")
     shas = {}
     for name, entry in manifest.graphs.items():
         path = folder / entry.file
@@ -241,7 +247,8 @@ def _build_plans(trt, folder: Path, manifest: EngineManifest, plan: dict, config
     for name in ("prefill", "decode"):
         step(f"build {PLANS[name]}")
         start = time.perf_counter()
-        data = _build_one(trt, builder, logger, folder / manifest.graphs[name].file, plan[name], config, cache)
+        data = _build_one(trt, builder, logger, folder / manifest.graphs[name].file, plan[name], config,
+                          cache)
         seconds[name] = round(time.perf_counter() - start, 1)
         atomic_write(folder / PLANS[name], data)
         plans[name] = {"file": PLANS[name], "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -290,8 +297,9 @@ def _set_precision(trt, settings, precision: str) -> None:
         return
     flag = getattr(trt.BuilderFlag, precision.upper(), None)
     if flag is None:
-        raise EngineError(f"TensorRT {trt.__version__} has no BuilderFlag.{precision.upper()} (TensorRT 11 builds "
-                          f"strongly typed networks only): use --precision fp32, or TensorRT 10 "
+        raise EngineError(f"TensorRT {trt.__version__} has no BuilderFlag.{precision.upper()} "
+                          "(TensorRT 11 builds strongly typed networks only): use --precision fp32, or "
+                          "TensorRT 10 "
                           "(pip install 'tensorrt-cu12>=10.14,<11')")
     settings.set_flag(flag)
 

@@ -41,7 +41,8 @@ STATUS_ORDER = ("unsupported", "dtype", "restriction", "ok")
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # ONNX element type name -> the names onnx-tensorrt's table uses
-_TRT_DTYPE = {"FLOAT": "FP32", "FLOAT16": "FP16", "BFLOAT16": "BF16", "FLOAT8E4M3FN": "FP8", "FLOAT4E2M1": "FP4"}
+_TRT_DTYPE = {"FLOAT": "FP32", "FLOAT16": "FP16", "BFLOAT16": "BF16", "FLOAT8E4M3FN": "FP8",
+              "FLOAT4E2M1": "FP4"}
 
 # Inputs that TensorRT wants constant (initializer or Constant node, or foldable from them):
 # op -> (input index, first opset where it is an input, what it is). Before that opset it is an attribute.
@@ -57,14 +58,16 @@ _CONSTANT_INPUTS = {
     "TopK": (1, 10, "K"),
     "OneHot": (1, 9, "depth"),
 }
-_NOT_FOLDABLE = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+_NOT_FOLDABLE = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                 "Bernoulli"}
 _SUBGRAPH_OPS = ("If", "Loop", "Scan")
 
 
 @dataclass(frozen=True)
 class Finding:
     graph: str     # "prefill" | "decode" | whatever check_model was given
-    op: str        # op type ("com.microsoft.GroupQueryAttention" outside the default domain), or "opset"/"profile"
+    op: str        # op type ("com.microsoft.GroupQueryAttention" outside the default domain), or
+                   # "opset"/"profile"
     count: int     # nodes of that op with this finding
     status: str    # "ok" | "unsupported" | "dtype" | "restriction"
     detail: str
@@ -166,20 +169,25 @@ def check_engine(folder: str | Path) -> CompatReport:
     findings: list[Finding] = []
     dims = {}
     for name in ("prefill", "decode"):
-        entry = manifest.graphs[name]  # inside the folder, the manifest's size and sha256 (docs/reliability.md)
-        path = verify_file(folder, entry.file, f"graphs.{name}.file", entry.bytes, entry.sha256, HashCache(None))
+        # inside the folder, the manifest's size and sha256 (docs/reliability.md)
+        entry = manifest.graphs[name]
+        path = verify_file(folder, entry.file, f"graphs.{name}.file", entry.bytes, entry.sha256,
+                           HashCache(None))
         try:
             proto = _load(path)
         except (DecodeError, ValueError, OSError) as err:
-            raise EngineError(f"{folder}: {entry.file} is not a readable ONNX graph ({err}): {RE_EXPORT}") from None
+            raise EngineError(f"{folder}: {entry.file} is not a readable ONNX graph ({err}): "
+                              f"{RE_EXPORT}") from None
         findings += check_model(proto, name)
         dims[name] = dynamic_dims(proto)
     matrix = support_matrix()
-    return CompatReport(matrix["tensorrt_version"], matrix["source"], tuple(sorted(findings, key=_sort_key)), dims)
+    return CompatReport(matrix["tensorrt_version"], matrix["source"], tuple(sorted(findings, key=_sort_key)),
+                        dims)
 
 
 def format_table(report: CompatReport) -> str:
-    """One row per (op, status, detail) over all graphs: op | graphs | count | status | detail; failures first."""
+    """One row per (op, status, detail) over all graphs: op | graphs | count | status | detail; failures
+    first."""
     merged: dict[tuple[str, str, str], list] = {}
     for f in report.findings:
         row = merged.setdefault((f.op, f.status, f.detail), [[], 0])
@@ -194,8 +202,8 @@ def format_table(report: CompatReport) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header[:4], widths)) + "  " + header[4]]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
     verdict = "ok" if report.ok else f"NOT ok: {len(report.failures)} failing finding(s)"
-    lines.append(f"TensorRT {report.tensorrt_version} ONNX parser: {verdict}, {len(report.warnings)} warning(s) "
-                 f"(unsupported and dtype fail; restriction warns)")
+    lines.append(f"TensorRT {report.tensorrt_version} ONNX parser: {verdict}, "
+                 f"{len(report.warnings)} warning(s) (unsupported and dtype fail; restriction warns)")
     return "\n".join(lines)
 
 
@@ -206,11 +214,13 @@ def _check_node(node, op, opset, matrix, types, consts, seen_dtypes, notes) -> l
     if node.domain not in DEFAULT_DOMAINS:
         return [("unsupported", f"domain {node.domain!r} is not the default ONNX domain: "
                  + ("an onnxruntime contrib op, " if node.domain.startswith("com.microsoft") else "")
-                 + "TensorRT imports it only through a registered plugin of that name, and none ships for it")]
+                 + "TensorRT imports it only through a registered plugin of that name, and none ships "
+                   "for it")]
     entry = matrix["ops"].get(node.op_type)
     if entry is None:
         reason = matrix["not_supported_notes"].get(node.op_type, "not in the support matrix")
-        return [("unsupported", f"not supported by the TensorRT {matrix['tensorrt_version']} ONNX parser: {reason}")]
+        return [("unsupported",
+                 f"not supported by the TensorRT {matrix['tensorrt_version']} ONNX parser: {reason}")]
     problems: list[tuple[str, str]] = []
     problems += _dtype_problems(node, entry, opset, types, seen_dtypes)
     spec = _CONSTANT_INPUTS.get(node.op_type)
@@ -243,11 +253,12 @@ def _dtype_problems(node, entry, opset, types, seen_dtypes) -> list[tuple[str, s
         dtype = _trt_dtype(elem)
         seen_dtypes[node.op_type].add(dtype)
         if dtype == "DOUBLE":
-            problems.append(("restriction", "DOUBLE tensors: TensorRT casts them down to FP32, clamping to +-FLT_MAX"))
+            problems.append(("restriction",
+                             "DOUBLE tensors: TensorRT casts them down to FP32, clamping to +-FLT_MAX"))
             dtype = "FP32"
         if dtype not in allowed:
-            problems.append(("dtype", f"{dtype} tensors; TensorRT {support_matrix()['tensorrt_version']} supports "
-                                      f"{', '.join(entry['dtypes'])} for {node.op_type}"))
+            problems.append(("dtype", f"{dtype} tensors; TensorRT {support_matrix()['tensorrt_version']} "
+                                      f"supports {', '.join(entry['dtypes'])} for {node.op_type}"))
     return problems
 
 
@@ -290,10 +301,11 @@ def _opset_findings(opset: int, matrix: dict, graph: str) -> list[Finding]:
     lo, hi = matrix["min_opset"], matrix["max_opset"]
     span = f"TensorRT {matrix['tensorrt_version']} parses opsets {lo}..{hi}"
     if opset < lo:
-        return [Finding(graph, "opset", 1, "unsupported", f"default-domain opset {opset}: {span}; re-export with a newer opset")]
+        return [Finding(graph, "opset", 1, "unsupported",
+                        f"default-domain opset {opset}: {span}; re-export with a newer opset")]
     if opset > hi:
-        return [Finding(graph, "opset", 1, "restriction", f"default-domain opset {opset}: {span}; ops newer than "
-                                                           f"opset {hi} will not import")]
+        return [Finding(graph, "opset", 1, "restriction",
+                        f"default-domain opset {opset}: {span}; ops newer than opset {hi} will not import")]
     return [Finding(graph, "opset", 1, "ok", f"default-domain opset {opset}: {span}")]
 
 
@@ -305,18 +317,20 @@ def _profile_findings(model: onnx.ModelProto, graph: str) -> list[Finding]:
     findings = []
     others = [n for n in names if n != "past"]
     if others:
-        findings.append(Finding(graph, "profile", 1, "ok", f"dynamic dims {', '.join(others)}: each >= 1 at run time, "
-                                                          "so an optimization profile [min 1, opt, max] covers it"))
+        findings.append(Finding(graph, "profile", 1, "ok",
+                                f"dynamic dims {', '.join(others)}: each >= 1 at run time, "
+                                "so an optimization profile [min 1, opt, max] covers it"))
     if "past" in names:
         inputs = [k for k, v in dims.items() if "past" in v]
         when = ("the first prefill of a conversation has past = 0" if graph == "prefill" else
                 "decode runs with past = 0 on a one-token prompt and in --full mode (the runtime's "
                 "first step, popcompile/runtime/loop.py)")
         findings.append(Finding(graph, "profile", len(inputs), "restriction",
-            f"dim `past` ({len(inputs)} KV inputs) can be 0: {when}, but TensorRT optimization-profile dims must be "
-            ">= 1, so no profile covers it. The TensorRT export must use a separate first-chunk engine/profile "
-            "without past inputs for an empty cache, or a static [batch, kv_heads, max_seq, head_dim] cache "
-            "buffer (TensorScatter, opset 24) with the fill length as an input, so past is never a dimension"))
+            f"dim `past` ({len(inputs)} KV inputs) can be 0: {when}, but TensorRT optimization-profile dims "
+            "must be >= 1, so no profile covers it. The TensorRT export must use a separate first-chunk "
+            "engine/profile without past inputs for an empty cache, or a static "
+            "[batch, kv_heads, max_seq, head_dim] cache buffer (TensorScatter, opset 24) with the fill "
+            "length as an input, so past is never a dimension"))
     return findings
 
 

@@ -10,7 +10,8 @@ import onnx
 
 
 def check_attention(node, entry, consts, opset):
-    bad = [n for i, n in enumerate(node.input) if i >= 4 and n] + [n for i, n in enumerate(node.output) if i >= 1 and n]
+    bad = ([n for i, n in enumerate(node.input) if i >= 4 and n]
+           + [n for i, n in enumerate(node.output) if i >= 1 and n])
     if bad:
         return [("unsupported", f"past_key/past_value/nonpad_kv_seqlen inputs and present/qk outputs are "
                                 f"unsupported (found {', '.join(bad)}); TensorRT: {entry['restrictions']}")]
@@ -25,11 +26,13 @@ def check_tensor_scatter(node, entry, consts, opset):
 def check_scatter_nd(node, entry, consts, opset):
     reduction = attr(node, "reduction", b"none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    return [] if reduction == "none" else [("unsupported", f"reduction={reduction}; TensorRT: {entry['restrictions']}")]
+    return ([] if reduction == "none"
+            else [("unsupported", f"reduction={reduction}; TensorRT: {entry['restrictions']}")])
 
 
 def check_top_k(node, entry, consts, opset):
-    out = [] if attr(node, "sorted", 1) == 1 else [("unsupported", "sorted=0; TensorRT: " + entry["restrictions"])]
+    out = ([] if attr(node, "sorted", 1) == 1
+           else [("unsupported", "sorted=0; TensorRT: " + entry["restrictions"])])
     k = consts.value(node.input[1]) if len(node.input) > 1 else None
     if k is not None and int(k.reshape(-1)[0]) >= 3840:
         out.append(("unsupported", f"K={int(k.reshape(-1)[0])}; TensorRT: {entry['restrictions']}"))
@@ -47,11 +50,13 @@ def check_constant(node, entry, consts, opset):
 
 
 def check_max_pool(node, entry, consts, opset):
-    return [("unsupported", "the Indices output is unsupported")] if len(node.output) > 1 and node.output[1] else []
+    return ([("unsupported", "the Indices output is unsupported")]
+            if len(node.output) > 1 and node.output[1] else [])
 
 
 def check_squeeze(node, entry, consts, opset):
-    has_axes = (len(node.input) > 1 and node.input[1]) if opset >= 13 else attr(node, "axes", None) is not None
+    has_axes = ((len(node.input) > 1 and node.input[1]) if opset >= 13
+                else attr(node, "axes", None) is not None)
     dims = consts.shapes.get(node.input[0]) if node.input else None
     if has_axes or (dims is not None and all(d is not None for d in dims)):
         return []
@@ -65,21 +70,23 @@ def check_if(node, entry, consts, opset):
                     for o in g.output] for name, g in branches.items()}
     then, other = ranks.get("then_branch", []), ranks.get("else_branch", [])
     if any(a is not None and b is not None and a != b for a, b in zip(then, other)):
-        return [("unsupported", f"branch outputs differ in rank ({then} vs {other}); TensorRT: {entry['restrictions']} "
+        return [("unsupported", f"branch outputs differ in rank ({then} vs {other}); "
+                                f"TensorRT: {entry['restrictions']} "
                                 "(merged decoders break this way: optimum#2013)")]
     return [("restriction", f"If node (TensorRT: {entry['restrictions']}); popcompile graphs must not "
                             "contain If: export without control flow")]
 
 
 def check_loop(node, entry, consts, opset):
-    return [("restriction", f"{node.op_type} node: TensorRT: {entry.get('restrictions') or 'supported'}; popcompile "
-                            "graphs must not contain control flow: unroll it at export")]
+    return [("restriction", f"{node.op_type} node: TensorRT: {entry.get('restrictions') or 'supported'}; "
+                            "popcompile graphs must not contain control flow: unroll it at export")]
 
 
 RESTRICTION_CHECKS = {
     "Attention": check_attention, "TensorScatter": check_tensor_scatter, "ScatterND": check_scatter_nd,
     "TopK": check_top_k, "LayerNormalization": check_layer_norm, "Squeeze": check_squeeze,
-    "Constant": check_constant, "MaxPool": check_max_pool, "If": check_if, "Loop": check_loop, "Scan": check_loop,
+    "Constant": check_constant, "MaxPool": check_max_pool, "If": check_if, "Loop": check_loop,
+    "Scan": check_loop,
 }
 
 

@@ -1,8 +1,8 @@
 """The vLLM target's writer: a Hugging Face folder that ``vllm serve DIR`` / ``vllm.LLM(DIR)`` load with POP.
 
     DIR/
-      config.json            the model's, with "architectures": ["Pop<Arch>"] and "popcompile": {cut, kv_weights,
-                             min_prompt_tokens}
+      config.json            the model's, with "architectures": ["Pop<Arch>"] and "popcompile":
+                             {cut, kv_weights, min_prompt_tokens}
       model.safetensors      the model's weights, untouched (save_pretrained; sharded with an index if large)
       pop_kv.safetensors     POP+ only: pop_kv.layers.{l}.{k_proj|v_proj}.{weight|bias} for l >= cut
       tokenizer, chat template, generation_config.json
@@ -48,7 +48,7 @@ class ServingFolder:
     cut: int
     kv_weights: str | None
     dtype: str
-    min_prompt_tokens: int = 0  # shorter prompts run the full model (the plugin's runner.py)
+    min_prompt_tokens: int  # shorter prompts run the full model (the plugin's runner.py)
     vllm_version: str = VLLM_VERSION
     target: str = "vllm"
 
@@ -59,8 +59,9 @@ class ServingFolder:
         pruned = (f"layers {self.cut}..{self.num_layers - 1} pruned in prefill" if self.cut < self.num_layers
                   else "nothing pruned")
         calibration = "POP+ K/V weights" if self.kv_weights else "the model's own K/V projections (POP)"
-        return (f"{folder}: {self.model} as {self.architecture}, {self.num_layers} layers, cut {self.cut} ({pruned}), "
-                f"{calibration}, {self.dtype}, prompts under {self.min_prompt_tokens} tokens run the full model\n"
+        return (f"{folder}: {self.model} as {self.architecture}, {self.num_layers} layers, "
+                f"cut {self.cut} ({pruned}), {calibration}, {self.dtype}, "
+                f"prompts under {self.min_prompt_tokens} tokens run the full model\n"
                 f"serve it with vLLM {self.vllm_version} and popcompile installed: "
                 f"`vllm serve {folder}` or vllm.LLM({str(folder)!r})")
 
@@ -76,7 +77,7 @@ def pop_architecture(loaded: LoadedModel) -> str:
 
 
 def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None,
-                 min_prompt_tokens: int = 0) -> ServingFolder:
+                 min_prompt_tokens: int) -> ServingFolder:
     architecture = pop_architecture(loaded)
     config = loaded.model.config
     settings = PopSettings(cut=cut, num_layers=config.num_hidden_layers, kv_weights=fit and KV_WEIGHTS_FILE,
@@ -94,7 +95,8 @@ def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None,
     _readable_as_umask_allows(tmp)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     return ServingFolder(model=loaded.source.name, architecture=architecture, num_layers=settings.num_layers,
-                         cut=cut, kv_weights=settings.kv_weights, dtype=dtype, min_prompt_tokens=min_prompt_tokens)
+                         cut=cut, kv_weights=settings.kv_weights, dtype=dtype,
+                         min_prompt_tokens=min_prompt_tokens)
 
 
 def _readable_as_umask_allows(folder: Path) -> None:

@@ -48,6 +48,23 @@ def arch_spec(config) -> ArchSpec:
     return ARCHITECTURES[model_type]
 
 
+def pruned_kv(spec: ArchSpec, layer, h_cut, project, head_dim: int):
+    """POP's cache rows of a pruned layer, before RoPE: the one recipe (passes/pop.py rewires graphs to it;
+    kvfit/distill.py trains through it; vllm_plugin/model.py serves with it).
+
+        x = input_norm(h_cut)                      [..., d]
+        k, v = project(x)                          [..., H_kv * D] each (the layer's k/v projections or a fit)
+        k = k_norm(k) per head, where spec has one  over D of [..., H_kv, D]
+
+    ``layer``: a decoder layer with the table's module names (Hugging Face's, and vLLM's for ``input_norm``
+    and ``k_norm``). Returns k, v [..., H_kv * D]; each caller applies RoPE in its own layout."""
+    x = layer.get_submodule(spec.input_norm)(h_cut)
+    k, v = project(x)
+    if spec.k_norm is not None:
+        k = layer.get_submodule(spec.k_norm)(k.view(*k.shape[:-1], -1, head_dim)).view(k.shape)
+    return k, v
+
+
 def layer_kinds(config) -> list[str]:
     """Attention kind of every layer: "full_attention" or "sliding_attention"."""
     kinds = getattr(config, "layer_types", None)

@@ -127,8 +127,8 @@ class CapturedModel:
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
-    """The forward keyword that takes the KV cache: ``cache`` in transformers 5.2x+, ``past_key_values`` before
-    (vLLM 0.32 pins transformers <5.20, and popcompile.reference runs beside it)."""
+    """The forward keyword that takes the KV cache: ``cache`` in transformers 5.2x+, ``past_key_values``
+    before (vLLM 0.32 pins transformers <5.20, and popcompile.reference runs beside it)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -161,7 +161,8 @@ def dynamic_shapes(layout: KVLayout) -> tuple:
     kv = [{0: batch, 2: past} for _ in range(2 * layout.num_layers)]
     # The mask's length is past + seq: left to export to derive (Dim.DYNAMIC), since a sum of two
     # named Dims cannot be declared.
-    return ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC}, tuple(kv))  # *past is one tuple
+    # *past is one tuple
+    return ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC}, tuple(kv))
 
 
 def capture(model: torch.nn.Module, max_seq: int | None = None) -> CapturedModel:
@@ -186,7 +187,8 @@ def kv_layout(model: torch.nn.Module, max_seq: int | None = None) -> KVLayout:
     if max_seq is None:
         max_seq = min(4096, limit)
     elif max_seq > limit:
-        raise ValueError(f"max_seq={max_seq} exceeds the model's max_position_embeddings={limit}: lower --max-seq")
+        raise ValueError(f"max_seq={max_seq} exceeds the model's max_position_embeddings={limit}: "
+                         "lower --max-seq")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_seq, dtype)
 
@@ -196,4 +198,5 @@ def export_flat(gm: torch.nn.Module, layout: KVLayout, vocab_size: int) -> Expor
     ids_dims, pos_dims, mask_dims, kv_dims = dynamic_shapes(layout)
     args = example_inputs(layout, vocab_size)
     with fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(gm, args, dynamic_shapes=(ids_dims, pos_dims, mask_dims, *kv_dims), strict=False)
+        return torch.export.export(gm, args, dynamic_shapes=(ids_dims, pos_dims, mask_dims, *kv_dims),
+                                   strict=False)

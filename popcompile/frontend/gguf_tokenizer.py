@@ -26,7 +26,8 @@ def gguf_special_tokens(gguf: Path) -> dict[str, int]:
     fields = GGUFReader(str(gguf)).fields
     wanted = {}
     for kind in ("bos", "eos"):
-        add, token = fields.get(f"tokenizer.ggml.add_{kind}_token"), fields.get(f"tokenizer.ggml.{kind}_token_id")
+        add, token = (fields.get(f"tokenizer.ggml.add_{kind}_token"),
+                      fields.get(f"tokenizer.ggml.{kind}_token_id"))
         if add is not None and token is not None and bool(add.parts[add.data[0]][0]):
             wanted[kind] = int(token.parts[token.data[0]][0])
     return wanted

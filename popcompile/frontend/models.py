@@ -43,10 +43,12 @@ _GGUF_MAGIC = b"GGUF"
 # A hub id is "name" or "owner/name"; anything else that does not exist is a bad path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SOURCE_RECORD = "popcompile_source.json"
-#: 2: tokenizer.json follows the GGUF's add_bos/add_eos flags (gguf_tokenizer.py), whichever transformers converted
+#: 2: tokenizer.json follows the GGUF's add_bos/add_eos flags (gguf_tokenizer.py), whichever transformers
+#: converted
 _CONVERSION = 2
 #: what from_pretrained reads as weights in a folder (sharded files come with an index)
-_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json",
+                    "pytorch_model.bin.index.json")
 #: what readers of a damaged config, weights or GGUF file raise (safetensors' own error is added at first use)
 _READ_ERRORS = (OSError, ValueError, KeyError, IndexError, struct.error, EOFError, UnicodeDecodeError)
 
@@ -153,8 +155,8 @@ def _read_config(folder: Path, **kwargs) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(folder, **kwargs)
     except _READ_ERRORS as err:
-        raise ModelError(f"{folder / 'config.json'} cannot be read ({_first_line(err)}): repair or re-download "
-                         "the model folder") from err
+        raise ModelError(f"{folder / 'config.json'} cannot be read ({_first_line(err)}): "
+                         "repair or re-download the model folder") from err
 
 
 def _read_weights(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
@@ -168,8 +170,8 @@ def _read_weights(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
                                                     local_files_only=True)
     except (*_READ_ERRORS, SafetensorError) as err:
-        raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): re-download or re-save "
-                         "the model") from err
+        raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
+                         "re-download or re-save the model") from err
 
 
 def _read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -314,7 +316,8 @@ def _ensure_converted(gguf: Path, sha256: str | None, cache: Path) -> Path:
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared and read
     try:
         _convert_gguf(gguf, tmp)
-        _write_json_atomic(tmp / _SOURCE_RECORD, {"gguf": str(gguf), "sha256": sha256, "conversion": _CONVERSION})
+        _write_json_atomic(tmp / _SOURCE_RECORD,
+                           {"gguf": str(gguf), "sha256": sha256, "conversion": _CONVERSION})
         os.rename(tmp, final)
     except OSError:
         if not (final / _SOURCE_RECORD).is_file():

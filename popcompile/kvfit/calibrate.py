@@ -1,7 +1,8 @@
 """POP+: closed-form refit of the pruned layers' K/V projections (zero inference overhead).
 
 POP's prefill feeds every deep layer ``x = input_norm_l(h_cut)`` instead of ``input_norm_l(h_l)``.
-For each layer ``l > cut`` (layer ``cut`` reads ``h_cut`` in the full model too) we fit, on calibration text run through the full model,
+For each layer ``l > cut`` (layer ``cut`` reads ``h_cut`` in the full model too) we fit, on calibration
+text run through the full model,
 
     [W'_K | b'_K] = argmin || [x, 1] W - k_proj_l(input_norm_l(h_l)) ||^2 + lam ||W||^2     (same for V)
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import KVCalibration
+from ..config import DEFAULT_FIT_BIAS, KVCalibration, KVFitConfig
 from ..errors import ConfigError, InputError, UnsupportedModelError
 from ..frontend.arch import arch_spec
 from ..fsutil import atomic_path
@@ -53,7 +53,7 @@ class CalibrationInfo:
     method: str = "ridge"  # one of METHODS; files written before it existed are ridge fits
     #: True: a bias fitted for every projection; False: only where the model's projection has one (the only
     #: behaviour before the field existed, so files written then load as False)
-    bias: bool = False
+    bias: bool = DEFAULT_FIT_BIAS["ridge"]
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,8 @@ def ridge_solve(xtx: torch.Tensor, xty: torch.Tensor, ridge: float, bias: bool) 
 
 @torch.no_grad()
 def fit_kv(
-    model: torch.nn.Module, batches: Iterable[torch.Tensor], cut: int, *, ridge: float = 1e-3,
-    bias: bool = False, progress: Callable[[int], None] | None = None,
+    model: torch.nn.Module, batches: Iterable[torch.Tensor], cut: int, *, ridge: float = KVFitConfig.ridge,
+    bias: bool = DEFAULT_FIT_BIAS["ridge"], progress: Callable[[int], None] | None = None,
 ) -> KVFit:
     """Fit replacement k/v projections for layers ``cut+1..L-1`` on token batches [B, T] (no padding);
     a bias for every projection with ``bias``, else only where the model's projection has one."""
@@ -157,8 +157,8 @@ def norm_eps(norm: torch.nn.Module) -> float:
         value = getattr(norm, name, None)
         if isinstance(value, float):
             return value
-    raise UnsupportedModelError(f"{type(norm).__name__} has no variance_epsilon/eps: fit_kv_cuts needs an RMS norm; "
-                     "use fit_kv per cut")
+    raise UnsupportedModelError(f"{type(norm).__name__} has no variance_epsilon/eps: fit_kv_cuts needs an "
+                                "RMS norm; use fit_kv per cut")
 
 
 def rms_unit(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,7 +168,8 @@ def rms_unit(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_scale(norm: torch.nn.Module, width: int) -> torch.Tensor:
-    """s with norm(h) == s * n(h), float64 [width]: n(ones) = 1/sqrt(1+eps), so s = norm(ones) * sqrt(1+eps)."""
+    """s with norm(h) == s * n(h), float64 [width]: n(ones) = 1/sqrt(1+eps), so
+    s = norm(ones) * sqrt(1+eps)."""
     ones = torch.ones(1, width)
     return norm(ones)[0].double() * (1.0 + norm_eps(norm)) ** 0.5
 
@@ -177,8 +178,9 @@ def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tenso
     got, want = scale * rms_unit(h, eps), norm(h).double()
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     if err > 1e-4:
-        raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error {err:.2e}): "
-                         "fit_kv_cuts needs an RMS norm with a per-channel scale; use fit_kv per cut")
+        raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error "
+                                    f"{err:.2e}): fit_kv_cuts needs an RMS norm with a per-channel scale; "
+                                    "use fit_kv per cut")
 
 
 class _AllCutMoments:
@@ -197,8 +199,10 @@ class _AllCutMoments:
             if c < self.num_layers - 1:
                 self.nty[c] += n.T @ torch.cat([targets[l] for l in range(c + 1, self.num_layers)], dim=1)
 
-    def moments(self, cut: int, layer: int, scale: torch.Tensor, bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(X^T X, X^T Y) of layer ``layer``'s fit at ``cut`` with X = input_norm_layer(h_cut) (+ ones if bias)."""
+    def moments(self, cut: int, layer: int, scale: torch.Tensor,
+                bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(X^T X, X^T Y) of layer ``layer``'s fit at ``cut`` with X = input_norm_layer(h_cut) (+ ones if
+        bias)."""
         width = scale.shape[0] + int(bias)
         s = torch.cat([scale, torch.ones(1, dtype=torch.float64)])[:width]
         start = (layer - cut - 1) * self.out
@@ -208,9 +212,11 @@ class _AllCutMoments:
 
 class CutMoments:
     """The ridge statistics of every cut in ``cuts`` (``_AllCutMoments``), accumulated from the full model's
-    hidden states: ``fit_kv_cuts`` feeds it forwards of its own, distill.py the forward it precomputes anyway."""
+    hidden states: ``fit_kv_cuts`` feeds it forwards of its own, distill.py the forward it precomputes
+    anyway."""
 
-    def __init__(self, model: torch.nn.Module, cuts: Iterable[int], *, ridge: float = 1e-3, bias: bool = False):
+    def __init__(self, model: torch.nn.Module, cuts: Iterable[int], *, ridge: float = KVFitConfig.ridge,
+                 bias: bool = DEFAULT_FIT_BIAS["ridge"]):
         check_ridge(ridge)
         check_bias(bias)
         spec, layers = arch_spec(model.config), model.get_decoder().layers
@@ -223,14 +229,17 @@ class CutMoments:
         width, self.eps = model.config.hidden_size, norm_eps(self.norms[0])
         self.scales = [norm_scale(norm, width) for norm in self.norms]
         self.split = self.projs[-1][0].out_features  # K columns, then V columns
-        self.moments = _AllCutMoments(self.cuts, self.num_layers, width, self.split + self.projs[-1][1].out_features)
+        self.moments = _AllCutMoments(self.cuts, self.num_layers, width,
+                                      self.split + self.projs[-1][1].out_features)
         self.digest, self.tokens = hashlib.sha256(), 0
 
     @torch.no_grad()
     def add(self, hidden: Mapping[int, torch.Tensor], ids: torch.Tensor) -> None:
-        """``hidden[l]`` [T, d]: the input of layer l (every l from the first cut on) over the tokens ``ids``."""
+        """``hidden[l]`` [T, d]: the input of layer l (every l from the first cut on) over the tokens
+        ``ids``."""
         if self.tokens == 0:
-            _check_factorises(self.norms[-1], hidden[self.cuts[0]], self.scales[-1], self.eps)  # a pair the fits use
+            # a pair the fits use
+            _check_factorises(self.norms[-1], hidden[self.cuts[0]], self.scales[-1], self.eps)
         self.digest.update(ids.numpy().tobytes())
         self.tokens += ids.numel()
         targets = {}
@@ -250,7 +259,8 @@ class CutMoments:
     def _solve(self, cut: int) -> dict[int, dict[str, Projection]]:
         weights: dict[int, dict[str, Projection]] = {}
         for layer in range(cut + 1, self.num_layers):
-            for part, proj, cols in zip(PARTS, self.projs[layer], (slice(0, self.split), slice(self.split, None))):
+            for part, proj, cols in zip(PARTS, self.projs[layer],
+                                        (slice(0, self.split), slice(self.split, None))):
                 with_bias = fits_bias(proj, self.bias)
                 xtx, xty = self.moments.moments(cut, layer, self.scales[layer], with_bias)
                 weights.setdefault(layer, {})[part] = ridge_solve(xtx, xty[:, cols], self.ridge, with_bias)
@@ -259,10 +269,12 @@ class CutMoments:
 
 @torch.no_grad()
 def fit_kv_cuts(
-    model: torch.nn.Module, batches: Iterable[torch.Tensor], cuts: Iterable[int], *, ridge: float = 1e-3,
-    bias: bool = False, progress: Callable[[int], None] | None = None,
+    model: torch.nn.Module, batches: Iterable[torch.Tensor], cuts: Iterable[int], *,
+    ridge: float = KVFitConfig.ridge, bias: bool = DEFAULT_FIT_BIAS["ridge"],
+    progress: Callable[[int], None] | None = None,
 ) -> dict[int, KVFit]:
-    """``{cut: fit_kv(model, batches, cut, bias=bias)}`` for every cut in one pass over the corpus (see above)."""
+    """``{cut: fit_kv(model, batches, cut, bias=bias)}`` for every cut in one pass over the corpus (see
+    above)."""
     moments = CutMoments(model, cuts, ridge=ridge, bias=bias)
     for ids in batches:
         hidden = model.get_decoder()(ids, output_hidden_states=True).hidden_states  # [l]: input of layer l
@@ -279,13 +291,12 @@ def fits_bias(proj: torch.nn.Module, bias: bool) -> bool:
 
 def check_bias(bias: bool) -> None:
     if not isinstance(bias, bool):
-        raise ConfigError(f"bias={bias!r} must be True (fit a bias for every projection) or False (only where "
-                          "the model's projection has one)")
+        raise ConfigError(f"bias={bias!r} must be True (fit a bias for every projection) or False (only "
+                          "where the model's projection has one)")
 
 
 def check_ridge(ridge: float) -> None:
-    if not (isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge >= 0):
-        raise ConfigError(f"--ridge {ridge} must be a finite number >= 0 (default 1e-3)")
+    KVFitConfig(ridge=ridge)  # its rule: ConfigError naming --ridge unless finite and >= 0
 
 
 def check_finite(fit: KVFit, what: str) -> KVFit:
@@ -342,12 +353,14 @@ def _read_fit(path: Path) -> tuple[CalibrationInfo, dict[str, torch.Tensor]]:
     except (ValueError, TypeError) as err:
         raise InputError(f"{path}: its calibration metadata is malformed ({err}): re-run calibrate") from None
     if not isinstance(info.bias, bool):
-        raise InputError(f"{path}: its calibration metadata has bias={info.bias!r}, not true/false: re-run calibrate")
-    if not all(isinstance(getattr(info, n), int) for n in ("cut", "num_layers", "tokens")):
-        raise InputError(f"{path}: its calibration metadata has non-integer cut/num_layers/tokens: re-run calibrate")
-    if info.method not in METHODS:
-        raise InputError(f"{path}: its calibration method {info.method!r} is not one of {', '.join(METHODS)}: "
+        raise InputError(f"{path}: its calibration metadata has bias={info.bias!r}, not true/false: "
                          "re-run calibrate")
+    if not all(isinstance(getattr(info, n), int) for n in ("cut", "num_layers", "tokens")):
+        raise InputError(f"{path}: its calibration metadata has non-integer cut/num_layers/tokens: "
+                         "re-run calibrate")
+    if info.method not in METHODS:
+        raise InputError(f"{path}: its calibration method {info.method!r} is not one of "
+                         f"{', '.join(METHODS)}: re-run calibrate")
     return info, load_file(str(path))
 
 
@@ -373,22 +386,25 @@ def check_fit(fit: KVFit, cut: int, num_layers: int) -> None:
 
 
 def check_fit_shapes(fit: KVFit, model: torch.nn.Module) -> None:
-    """InputError unless ``fit`` has, for every layer cut+1..L-1, k/v weights shaped like the model's and a bias
-    [out] wherever the model's projection has one (a fitted bias [out] where it has none is accepted too)."""
+    """InputError unless ``fit`` has, for every layer cut+1..L-1, k/v weights shaped like the model's and a
+    bias [out] wherever the model's projection has one (a fitted bias [out] where it has none is accepted
+    too)."""
     spec, layers = arch_spec(model.config), model.get_decoder().layers
     wanted = set(range(fit.info.cut + 1, len(layers)))
     if set(fit.weights) != wanted:
-        raise InputError(f"KV calibration has layers {sorted(fit.weights)}, the model needs {sorted(wanted)}: "
-                         f"re-run `popcompile calibrate` for this model")
+        raise InputError(f"KV calibration has layers {sorted(fit.weights)}, the model needs "
+                         f"{sorted(wanted)}: re-run `popcompile calibrate` for this model")
     for index in sorted(wanted):
         for part in PARTS:
             proj, got = layers[index].get_submodule(getattr(spec, part)), fit.weights[index].get(part)
-            want_bias = (proj.out_features,) if proj.bias is not None or (got and got.bias is not None) else None
-            got_shapes = got and (tuple(got.weight.shape), None if got.bias is None else tuple(got.bias.shape))
+            want_bias = ((proj.out_features,) if proj.bias is not None or (got and got.bias is not None)
+                         else None)
+            got_shapes = got and (tuple(got.weight.shape),
+                                  None if got.bias is None else tuple(got.bias.shape))
             if got_shapes != (tuple(proj.weight.shape), want_bias):
                 raise InputError(f"KV calibration layer {index} {part}: shapes {got_shapes} do not match the "
-                                 f"model's {(tuple(proj.weight.shape), want_bias)}: re-run `popcompile calibrate` "
-                                 "for this model")
+                                 f"model's {(tuple(proj.weight.shape), want_bias)}: "
+                                 "re-run `popcompile calibrate` for this model")
 
 
 def read_fit(kv: KVCalibration) -> KVFit | None:
@@ -404,7 +420,8 @@ def token_batches(token_lists: Iterable[list[int]], seq_len: int, batch: int) ->
         yield torch.tensor(windows[start:start + batch])
 
 
-def default_batches(tokenizer, *, seq_len: int = 512, max_tokens: int = 65536, batch: int = 4):
+def default_batches(tokenizer, *, seq_len: int = KVFitConfig.seq_len,
+                    max_tokens: int = KVFitConfig.max_tokens, batch: int = 4):
     """The default calibration corpus (stdlib modules disjoint from the evaluation's) as [B, T] batches."""
     from .corpus import CALIBRATION_MODULES, encode, stdlib_texts
 

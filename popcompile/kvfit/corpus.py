@@ -33,7 +33,8 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[i
 
 
 def stdlib_texts(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[str, str]]:
-    """``(name, source)`` of each module file of the running interpreter's stdlib (missing ones are left out)."""
+    """``(name, source)`` of each module file of the running interpreter's stdlib (missing ones are left
+    out)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = []
     for module in sorted(modules):

@@ -33,15 +33,14 @@ import contextlib
 import hashlib
 import inspect
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..config import DistillConfig, KVCalibration
+from ..config import DEFAULT_FIT_BIAS, DistillConfig, KVFitConfig
 from ..errors import ConfigError, InputError, UnsupportedModelError
-from ..frontend.arch import arch_spec
+from ..frontend.arch import arch_spec, pruned_kv
 from ..frontend.capture import cache_keyword
 from ..passes.pop import Projection
 from .calibrate import (
@@ -49,15 +48,12 @@ from .calibrate import (
     CutMoments,
     KVFit,
     check_finite,
-    check_fit,
     check_fit_shapes,
     default_batches,
-    fit_kv_cuts,
-    load_fit,
 )
 
 #: tokens per window of the built-in corpus: a 512-token prompt, then DistillConfig.continuation (48) scored
-DEFAULT_SEQ_LEN = 560
+DEFAULT_SEQ_LEN = KVFitConfig.seq_len + DistillConfig.continuation
 #: float32 logits [B, C, V] of one held-out forward stay near 128 MiB (SmolLM2 at C=48: 8 windows, Gemma 3: 2)
 EVAL_LOGITS = 2**25
 
@@ -108,7 +104,8 @@ class _Windows:
 def _recorded_calls(modules: dict[int, torch.nn.Module]) -> Iterator[dict[int, tuple[tuple, dict]]]:
     """``{key: (args, kwargs)}`` of the last call of each module while the context is open."""
     calls: dict[int, tuple[tuple, dict]] = {}
-    handles = [m.register_forward_pre_hook(lambda _, a, k, key=key: calls.__setitem__(key, (a, k)), with_kwargs=True)
+    handles = [m.register_forward_pre_hook(lambda _, a, k, key=key: calls.__setitem__(key, (a, k)),
+                                           with_kwargs=True)
                for key, m in modules.items()]
     try:
         yield calls
@@ -124,7 +121,8 @@ def _hidden(call: tuple[tuple, dict]) -> torch.Tensor:
 
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
     positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
-    model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
+    model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+          **{cache_keyword(model): cache})
 
 
 @torch.no_grad()
@@ -143,7 +141,8 @@ def _run_window(model, ids: torch.Tensor, cut: int, continuation: int, moments: 
         _forward(model, ids[:, rows:-1], cache, rows)
     teacher = _hidden(calls.pop(-1))
     if moments is not None:
-        moments.add({i: torch.cat([pruned[i], _hidden(call)], dim=1)[0] for i, call in calls.items()}, ids[:, :-1])
+        moments.add({i: torch.cat([pruned[i], _hidden(call)], dim=1)[0] for i, call in calls.items()},
+                    ids[:, :-1])
     layer_kwargs = {i: kwargs for i, (_, kwargs) in calls.items()}
     return pruned[cut], _hidden(calls[cut]), teacher, _Geometry(layer_kwargs, prefix_rope)
 
@@ -177,24 +176,27 @@ def _prefix_kv(model, index: int, h_cut: torch.Tensor, parts: dict[str, Projecti
     """Layer ``index``'s POP cache rows: K, V [B, kv_heads, P, D] from ``h_cut`` [B, P, d]."""
     spec, layer = arch_spec(model.config), model.get_decoder().layers[index]
     attention = layer.get_submodule(spec.k_proj.rsplit(".", 1)[0])
-    x = layer.get_submodule(spec.input_norm)(h_cut)  # [B, P, d]
-    shape = (*x.shape[:-1], -1, attention.head_dim)   # [B, P, kv_heads, D]
-    k = torch.nn.functional.linear(x, parts["k_proj"].weight, parts["k_proj"].bias).view(shape)
-    v = torch.nn.functional.linear(x, parts["v_proj"].weight, parts["v_proj"].bias).view(shape)
-    if spec.k_norm is not None:
-        k = layer.get_submodule(spec.k_norm)(k)  # per head, over D
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
+
+    def project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [B, P, d] -> [B, P, kv_heads * D] each
+        return tuple(torch.nn.functional.linear(x, parts[part].weight, parts[part].bias) for part in PARTS)
+
+    k, v = pruned_kv(spec, layer, h_cut, project, attention.head_dim)
+    shape = (*k.shape[:-1], -1, attention.head_dim)  # [B, P, kv_heads, D]
+    k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
     cos, sin = rope
     return _rope_function(attention)(k, k, cos, sin)[1], v
 
 
 def _own_projections(model, index: int) -> dict[str, Projection]:
     spec, layer = arch_spec(model.config), model.get_decoder().layers[index]
-    return {part: Projection(p.weight, p.bias) for part in PARTS for p in [layer.get_submodule(getattr(spec, part))]}
+    return {part: Projection(p.weight, p.bias)
+            for part in PARTS for p in [layer.get_submodule(getattr(spec, part))]}
 
 
 def head_logits(model, h: torch.Tensor) -> torch.Tensor:
-    """Logits [B, C, V] from the last layer's output ``h`` [B, C, d]: final norm, LM head, soft-capping (Gemma)."""
+    """Logits [B, C, V] from the last layer's output ``h`` [B, C, d]: final norm, LM head, soft-capping
+    (Gemma)."""
     logits = model.get_output_embeddings()(model.get_decoder().norm(h))
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -224,7 +226,8 @@ def _kl(model, data: _Windows, rows: torch.Tensor, weights) -> torch.Tensor:
 
 @torch.no_grad()
 def _mean_kl(model, data: _Windows, rows: torch.Tensor, weights) -> float:
-    per_forward = max(1, min(8, EVAL_LOGITS // data.teacher.shape[1] // model.get_output_embeddings().out_features))
+    per_forward = max(1, min(8, EVAL_LOGITS // data.teacher.shape[1]
+                             // model.get_output_embeddings().out_features))
     total = sum(float(_kl(model, data, chunk, weights)) * len(chunk) for chunk in rows.split(per_forward))
     return total / len(rows)
 
@@ -261,7 +264,8 @@ def _snapshot(weights: Weights) -> Weights:
 
 
 def _tensors(weights: Weights) -> list[torch.Tensor]:
-    return [t for parts in weights.values() for p in parts.values() for t in (p.weight, p.bias) if t is not None]
+    return [t for parts in weights.values() for p in parts.values() for t in (p.weight, p.bias)
+            if t is not None]
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,8 @@ def _train(model, data: _Windows, weights: Weights, train: torch.Tensor, held: t
         optimiser.step()
         if step % config.eval_every == 0 or step == config.steps:
             held_kl = _mean_kl(model, data, held, weights)
-            best, stale = (_Best(held_kl, step, _snapshot(weights)), 0) if held_kl < best.kl else (best, stale + 1)
+            best, stale = ((_Best(held_kl, step, _snapshot(weights)), 0) if held_kl < best.kl
+                           else (best, stale + 1))
         report(DistillProgress("train", step, config.steps, float(loss.detach()), held_kl))
     return initial, best, step
 
@@ -295,8 +300,9 @@ def _train(model, data: _Windows, weights: Weights, train: torch.Tensor, held: t
 def check_cut(cut: int, num_layers: int) -> None:
     """ConfigError unless some layer past ``cut`` has K/V to fit or distil (layer ``cut`` keeps its own)."""
     if not 1 <= cut <= num_layers - 2:
-        raise ConfigError(f"cut={cut} of {num_layers} layers leaves no K/V to fit (layer {cut} reads h_cut in "
-                          f"the full model too and keeps its own): use a cut in 1..{num_layers - 2} (--cut)")
+        raise ConfigError(f"cut={cut} of {num_layers} layers leaves no K/V to fit (layer {cut} reads h_cut "
+                          "in the full model too and keeps its own): use a cut in "
+                          f"1..{num_layers - 2} (--cut)")
 
 
 def _check_windows(windows: torch.Tensor, config: DistillConfig) -> None:
@@ -304,8 +310,9 @@ def _check_windows(windows: torch.Tensor, config: DistillConfig) -> None:
         raise InputError(f"windows must be token ids [W, T], got {type(windows).__name__} "
                          f"{tuple(getattr(windows, 'shape', ()))}: stack equal-length windows")
     if windows.shape[1] < config.continuation + 2:
-        raise InputError(f"windows of {windows.shape[1]} tokens leave no prompt before the {config.continuation} "
-                         f"scored tokens: give windows of at least {config.continuation + 2} tokens (--seq-len)")
+        raise InputError(f"windows of {windows.shape[1]} tokens leave no prompt before the "
+                         f"{config.continuation} scored tokens: give windows of at least "
+                         f"{config.continuation + 2} tokens (--seq-len)")
 
 
 def _split(count: int, config: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +336,8 @@ def pop_continuation_logits(model, windows: torch.Tensor, cut: int, weights: Wei
     return head_logits(model, data.teacher), _student_logits(model, data, rows, weights)
 
 
-def continuation_kl(model, windows: torch.Tensor, cut: int, weights: Weights, continuation: int = 48) -> float:
+def continuation_kl(model, windows: torch.Tensor, cut: int, weights: Weights,
+                    continuation: int = 48) -> float:
     """Mean KL(full || POP) over the last ``continuation`` tokens of each window [W, T], with ``weights``
     on the deep layers' K/V (the same value reference.continuation_logits gives, without running it)."""
     config = DistillConfig(continuation=continuation)
@@ -351,7 +359,7 @@ def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig 
 
 
 def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillConfig = DistillConfig(), *,
-                       ridge: float = 1e-3, bias: bool = True,
+                       ridge: float = KVFitConfig.ridge, bias: bool = DEFAULT_FIT_BIAS["distill"],
                        progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
     """``distill_kv`` from the ridge fit (calibrate.fit_kv_cuts) on the same windows [W, T], both from one
     full-model pass: the ridge fit's statistics are taken from the forward the distillation precomputes
@@ -365,12 +373,14 @@ def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillCo
     return _distilled(model, data, windows, moments.fits()[cut], split, config, report)
 
 
-def _teacher_report(report: Callable[[DistillProgress], None], windows: torch.Tensor) -> Callable[[int], None]:
+def _teacher_report(report: Callable[[DistillProgress], None],
+                    windows: torch.Tensor) -> Callable[[int], None]:
     return lambda done: report(DistillProgress("teacher", done, windows.shape[0]))
 
 
-def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit, split: tuple[torch.Tensor, torch.Tensor],
-               config: DistillConfig, report: Callable[[DistillProgress], None]) -> DistillResult:
+def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit,
+               split: tuple[torch.Tensor, torch.Tensor], config: DistillConfig,
+               report: Callable[[DistillProgress], None]) -> DistillResult:
     """Train ``init``'s weights on the precomputed ``data`` of ``windows``, split (train, held out)."""
     train, held = split
     weights = _trainable(init.weights)
@@ -382,49 +392,13 @@ def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit, split:
     return DistillResult(fit, initial, best.kl, best.step, steps, tuple(held.tolist()), init)
 
 
-def default_windows(tokenizer, *, seq_len: int = DEFAULT_SEQ_LEN, max_tokens: int = 65536) -> torch.Tensor:
-    """Token windows [W, seq_len] of the built-in calibration corpus (calibrate.default_batches: stdlib modules
-    disjoint from the evaluation's; 116 windows of 560 tokens by default)."""
+def default_windows(tokenizer, *, seq_len: int = DEFAULT_SEQ_LEN,
+                    max_tokens: int = KVFitConfig.max_tokens) -> torch.Tensor:
+    """Token windows [W, seq_len] of the built-in calibration corpus (calibrate.default_batches: stdlib
+    modules disjoint from the evaluation's; 116 windows of 560 tokens by default)."""
     batches = default_batches(tokenizer, seq_len=seq_len, max_tokens=max_tokens)
     if not batches:
-        raise InputError(f"the built-in calibration corpus has no window of {seq_len} tokens for this tokenizer: "
-                         "give a file from `popcompile calibrate --method distill` with your own text")
+        raise InputError(f"the built-in calibration corpus has no window of {seq_len} tokens for this "
+                         "tokenizer: give a file from `popcompile calibrate --method distill` with your "
+                         "own text")
     return torch.cat(batches)
-
-
-# --- every entry point's K/V weights -----------------------------------------------------------
-
-def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
-           fit: KVFit | None = None, *, step: Callable[[str], None] | None = None) -> KVFit | None:
-    """The one place POP+ / POP++ weights come from, for every entry point (export, torch.compile, eval);
-    here, not in calibrate.py, because distill.py builds on calibrate.py (no import cycle).
-
-    none: plain POP (None). auto: fitted now on the built-in corpus (needs ``tokenizer``). distill: auto's
-    fit, then distilled on windows of the same corpus (ridge_then_distill, minutes; ``step("distill")``
-    is reported before it starts). file: the fit read from it (or ``fit``, read earlier by ``read_fit``),
-    checked against ``cut`` and the model's shapes. None as well when ``cut`` prunes nothing."""
-    kv = KVCalibration.of(kv)
-    layers = model.config.num_hidden_layers
-    if kv.mode == "none" or cut == layers:
-        return None
-    if kv.fits_now:
-        return _fit_now(model, tokenizer, cut, kv.mode, step or (lambda name: None))
-    fit = fit or load_fit(kv.path)
-    check_fit(fit, cut, layers)
-    check_fit_shapes(fit, model)
-    return fit
-
-
-#: the step ``kv_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
-DISTILL_STEP = "distill"
-
-
-def _fit_now(model: torch.nn.Module, tokenizer, cut: int, mode: str, step: Callable[[str], None]) -> KVFit:
-    """auto: the ridge fit on the built-in corpus; distill: the ridge fit and its distillation from one pass over
-    the corpus's windows (``ridge_then_distill``), unless no layer is left to distil (cut L-1: that layer reads
-    h_cut in the full model too; the fit is ridge's, empty)."""
-    if mode == "distill" and cut < model.config.num_hidden_layers - 1:
-        step(DISTILL_STEP)
-        return ridge_then_distill(model, default_windows(tokenizer), cut).fit
-    with torch.no_grad():
-        return fit_kv_cuts(model, default_batches(tokenizer), [cut])[cut]

@@ -60,7 +60,8 @@ class AnalyzeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"AnalyzeConfig.{name} must be an int >= {low}, got {value!r}")
-        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and 0.0 <= self.budget < 1.0):
+        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget)
+                and 0.0 <= self.budget < 1.0):
             raise ConfigError(f"AnalyzeConfig.budget={self.budget} is out of range: use 0 <= budget < 1")
 
     @property
@@ -164,7 +165,8 @@ def jsonl_texts(text: str, field: str = "text") -> list[str]:
             raise InputError(f"JSONL line {number} is not JSON: {err.msg}") from None
         value = item.get(field) if isinstance(item, dict) else item
         if not isinstance(value, str):
-            raise InputError(f"JSONL line {number}: expected a string or an object with a string {field!r} field")
+            raise InputError(f"JSONL line {number}: expected a string or an object with a string "
+                             f"{field!r} field")
         texts.append(value)
     return texts
 
@@ -199,7 +201,8 @@ def token_windows(sources: Mapping[str, Iterable[str]], tokenizer: Any, length: 
                 windows.append(prefix + chunk)
                 taken[name] += 1
     if not windows:
-        raise InputError(f"the text has fewer than {length} tokens (--context-len + --gen-len): give more text")
+        raise InputError(f"the text has fewer than {length} tokens (--context-len + --gen-len): "
+                         "give more text")
     return torch.tensor(windows, dtype=torch.long), taken
 
 
@@ -225,7 +228,8 @@ class Scorer(torch.nn.Module):
         positions = torch.arange(seq).expand(batch, seq)  # [B, S] no padding
         masks = {kind: build_mask(torch.ones_like(input_ids), seq, w) for kind, w in self.windows.items()}
         mask = masks if self.mask_mapping else next(iter(masks.values()))
-        out = self.model.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=False)
+        out = self.model.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                               use_cache=False)
         logits = self.model.lm_head(out.last_hidden_state[:, -self.gen_len:])  # [B, G, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -354,7 +358,8 @@ def deep_summary(layers: Sequence[LayerScore]) -> DeepSummary:
     prefill, decode = ([getattr(layer, stage).layer for layer in layers] for stage in STAGES)
     deep_p, deep_d = sum(prefill[cut:]), sum(decode[cut:])
     lower = sum(p < d for p, d in zip(prefill[cut:], decode[cut:]))
-    return DeepSummary(cut, deep_p, deep_d, deep_p / (sum(prefill) or 1.0), deep_d / (sum(decode) or 1.0), lower)
+    return DeepSummary(cut, deep_p, deep_d, deep_p / (sum(prefill) or 1.0), deep_d / (sum(decode) or 1.0),
+                       lower)
 
 
 def peak_rss_mb() -> float:
@@ -390,7 +395,8 @@ def run_analyze(model: torch.nn.Module, tokenizer: Any, config: AnalyzeConfig = 
 def _check_model(model: torch.nn.Module, config: AnalyzeConfig) -> None:
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:
-        raise ConfigError(f"analyze runs in float32, the model is {dtype}: load it in float32 (model.float())")
+        raise ConfigError(f"analyze runs in float32, the model is {dtype}: "
+                          "load it in float32 (model.float())")
     if config.window > (limit := getattr(model.config, "max_position_embeddings", None) or math.inf):
         raise ConfigError(f"--context-len + --gen-len = {config.window} exceeds the model's "
                          f"max_position_embeddings={limit}: use shorter lengths")
@@ -435,8 +441,9 @@ def format_table(report: AnalyzeReport) -> str:
         lines.append(f"{layer.index:>5} | {p.attn:>12.2e} {p.mlp:>9.2e} {p.layer:>9.2e} | {d.attn:>11.2e} "
                      f"{d.mlp:>9.2e} {d.layer:>9.2e} | {share:>6.1%}{mark}")
     lines += [f"deep layers {deep.cut}..{report.num_layers - 1} (default cut): prefill {deep.prefill:.3g} "
-              f"({deep.prefill_share:.1%} of all prefill) vs decode {deep.decode:.3g} ({deep.decode_share:.1%} of "
-              f"all decode); prefill below decode in {deep.layers_prefill_lower} of {report.num_layers - deep.cut}",
+              f"({deep.prefill_share:.1%} of all prefill) vs decode {deep.decode:.3g} "
+              f"({deep.decode_share:.1%} of all decode); prefill below decode in "
+              f"{deep.layers_prefill_lower} of {report.num_layers - deep.cut}",
               f"recommended cut (budget {cfg.budget:.1%} of prefill importance): {report.recommended_cut} "
               f"(prunes {report.num_layers - report.recommended_cut} layers; default cut {deep.cut})",
               f"{report.seconds:.0f} s, peak memory {report.peak_rss_mb:.0f} MB"]
@@ -478,7 +485,8 @@ def _plot_layers(ax, report: AnalyzeReport) -> None:
         low, high = ([v + sign * e for v, e in zip(value, err)] for sign in (-1, 1))
         ax.fill_between(x, _positive(low), _positive(high), color=color, alpha=0.15, lw=0)
     ax.set(title="layer (attention + MLP, one gate)", xlabel="layer", ylabel="importance E[(dL/dg)²]")
-    ax.annotate("last layer's prefill: exactly 0", (1.0, 0.02), xycoords="axes fraction", ha="right", fontsize=7)
+    ax.annotate("last layer's prefill: exactly 0", (1.0, 0.02), xycoords="axes fraction", ha="right",
+                fontsize=7)
 
 
 def _plot_branches(ax, report: AnalyzeReport) -> None:

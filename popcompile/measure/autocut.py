@@ -19,7 +19,8 @@ def choose_cut(loaded: Any, *, min_agreement: float | None = None, budget: float
                kv_calibration: Any = "auto") -> tuple[int, dict]:
     """``(cut, record)`` for ``loaded`` (a models.LoadedModel); one of ``min_agreement`` / ``budget``."""
     if min_agreement is not None and budget is not None:
-        raise ConfigError("--min-agreement (eval sweep) and --budget (analyze) are two ways to choose: give one")
+        raise ConfigError("--min-agreement (eval sweep) and --budget (analyze) are two ways to choose: "
+                          "give one")
     if min_agreement is not None:
         from .eval.sweep import choose_cut as sweep_cut
 
@@ -38,5 +39,6 @@ def describe(*, min_agreement: float | None = None, budget: float | None = None)
                 "(every cut from L to L/2; 10-20 min on a 2-core CPU)")
     from .analyze import DEFAULT_BUDGET
 
-    return (f"choosing the cut: stage-aware importance, prefill budget {DEFAULT_BUDGET if budget is None else budget:.0%} "
+    return ("choosing the cut: stage-aware importance, prefill budget "
+            f"{DEFAULT_BUDGET if budget is None else budget:.0%} "
             "(2-3 min on a 2-core CPU; `popcompile analyze` shows the table)")

@@ -125,7 +125,8 @@ def _residual_add(residual: fx.Node, skip: set[fx.Node], layer: int, what: str) 
             and all(isinstance(a, fx.Node) for a in user.args[:2])}
     if len(adds) != 1:
         names = sorted(a.name for a in adds)
-        raise ValueError(f"layer {layer}: expected one {what} residual add reading {residual.name}, found {names}")
+        raise ValueError(f"layer {layer}: expected one {what} residual add reading {residual.name}, "
+                         f"found {names}")
     add = adds.pop()
     lhs, rhs = add.args[:2]
     branch = rhs if lhs in aliases else lhs

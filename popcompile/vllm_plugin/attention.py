@@ -6,7 +6,8 @@ token of each prompt that ends in this step — into the common attention metada
 backend (``survivor_backend``) builds its metadata for those tokens only, with vLLM's own reduction
 (``make_kv_sharing_fast_prefill_common_attn_metadata``, the one Gemma 3n's cross-decoder uses):
 
-    tokens        [d0 | p0 p1 p2 p3 | q0 q1]    d: decode, p: a prompt that ends here, q: a chunk that does not
+    tokens        [d0 | p0 p1 p2 p3 | q0 q1]    d: decode, p: a prompt that ends here,
+                                                q: a chunk that does not
     survivors     [d0 |          p3 |      ]    metadata.pop_survivors = [0, 4] (None: every token survives)
 
 A prompt shorter than the folder's ``min_prompt_tokens`` survives whole (runner.py): its request then has

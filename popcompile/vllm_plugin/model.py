@@ -3,7 +3,8 @@
 One step, T tokens (prompt chunks and decode tokens of several requests), S survivors (attention.py):
 
     layers 0..cut-1      stock, on all T tokens                         h_cut: [T, hidden]
-    POP K/V, l >= cut    k, v = RoPE(W_K^l norm_l(h_cut)), W_V^l norm_l(h_cut)  -> layer l's cache, all T slots
+    POP K/V, l >= cut    k, v = RoPE(W_K^l norm_l(h_cut)), W_V^l norm_l(h_cut)
+                         -> layer l's cache, all T slots
     layers cut..L-1      stock, on the S survivors; their own K/V overwrite their slots
     returns              [T, hidden]: the survivors' final hidden states in their rows (logits are read there)
 
@@ -19,12 +20,13 @@ survivors and writing POP's K/V into the paged cache stay eager (they read the s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 
+from ..frontend.arch import arch_spec, pruned_kv
 from .attention import survivor_backend, survivor_slots, survivors, warming_up, write_kv
 from .settings import KV_PREFIX
 
@@ -82,27 +84,27 @@ class PopKV(nn.Module):
     [L - cut, T, H_kv * D], k RoPE'd. The projections are copies of the model's own ``k_proj``/``v_proj``
     (POP), replaced by the fitted ones of settings.KV_WEIGHTS_FILE where it has them (POP+: layers
     cut+1..L-1; layer ``cut`` sees its true input h_cut and keeps its own). Own copies: vLLM's CPU linear
-    layers repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced. ``fitted``: POP+ weights
-    will be loaded; a fit may carry a bias where the model's projections have none (kvfit/calibrate.py, ``bias=True``),
-    so every pair then has one, zero until a fitted or stock bias is loaded over it."""
+    layers repack their weights after loading, so ``qkv_proj.weight`` cannot be sliced. ``fitted``: POP+
+    weights will be loaded; a fit may carry a bias where the model's projections have none
+    (kvfit/calibrate.py, ``bias=True``), so every pair then has one, zero until a fitted or stock bias is
+    loaded over it."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, cut: int,
-                 k_norm: Callable[[nn.Module], nn.Module | None], fitted: bool = False):
+    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, cut: int, fitted: bool = False):
         super().__init__()
         self.cut = cut
+        # input_norm and k_norm, as the pass reads them
+        self.spec = arch_spec(vllm_config.model_config.hf_config)
         self.layers = nn.ModuleList(_kv_pair(layer.self_attn, fitted) for layer in model.layers[cut:])
         self.deep = model.layers[cut:]  # the stock layers: input_layernorm, rotary_emb, k_norm
-        self.k_norms = [k_norm(layer.self_attn) for layer in self.deep]
 
     def forward(self, positions: torch.Tensor, h_cut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = [], []
-        for layer, pair, k_norm in zip(self.deep, self.layers, self.k_norms):
-            x = layer.input_layernorm(h_cut)  # without a residual: out of place
-            k = pair.k_proj(x)  # [T, H_kv * D]
-            if k_norm is not None:
-                k = k_norm(k.view(k.shape[0], -1, layer.self_attn.head_dim)).view(k.shape)
+        for layer, pair in zip(self.deep, self.layers):
+            # input_layernorm without a residual: out of place; k, v [T, H_kv * D]
+            k, v = pruned_kv(self.spec, layer, h_cut, lambda x, pair=pair: (pair.k_proj(x), pair.v_proj(x)),
+                             layer.self_attn.head_dim)
             keys.append(layer.self_attn.rotary_emb(positions, k)[0])
-            values.append(pair.v_proj(x))
+            values.append(v)
         return torch.stack(keys), torch.stack(values)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, set[str]]:

@@ -22,8 +22,8 @@ from .settings import KV_PREFIX, PopSettings, check_vllm_version
 
 class _PopMixin:
     """POP over a stock ``*ForCausalLM`` whose ``self.model`` is a vLLM decoder stack (Llama-like layers:
-    ``input_layernorm``, ``self_attn.{qkv_proj, rotary_emb, attn}``). ``k_norm(self_attn)``: the per-head
-    norm applied to K before RoPE, or None (each class names its own)."""
+    ``input_layernorm``, ``self_attn.{qkv_proj, rotary_emb, attn}``). The per-head norm applied to K before
+    RoPE comes from the architecture table (frontend/arch.py), as for popcompile's own graphs."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # the stock class: layers, weights, lm_head
@@ -33,9 +33,10 @@ class _PopMixin:
         if self.pop_settings.prunes:
             runner.install()
             use_survivor_backend(self.model, self.pop_settings.cut)
-            self.pop_stack = _units(self.model, vllm_config, prefix, self.pop_settings, self.k_norm)
+            self.pop_stack = _units(self.model, vllm_config, prefix, self.pop_settings)
             # registered children (the stock layers they hold keep their stock parameter names)
-            self.pop_shallow, self.pop_kv, self.pop_deep = self.pop_stack.shallow, self.pop_stack.kv, self.pop_stack.deep
+            self.pop_shallow, self.pop_kv, self.pop_deep = (self.pop_stack.shallow, self.pop_stack.kv,
+                                                            self.pop_stack.deep)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,48 +51,38 @@ class _PopMixin:
         return super().load_weights(stock) | loaded
 
 
-def _units(model, vllm_config, prefix: str, settings: PopSettings, k_norm) -> PopStack:
+def _units(model, vllm_config, prefix: str, settings: PopSettings) -> PopStack:
     """POP's three compiled units over the stock stack ``model``, each under its own compile tag."""
     from vllm.compilation.backends import set_model_tag  # vLLM's own models import it late too
 
     cut, layers = settings.cut, settings.num_layers
     with set_model_tag("pop_shallow"):
-        shallow = PopShallow(vllm_config=vllm_config, prefix=f"{prefix}pop_shallow", model=model, first=0, last=cut)
+        shallow = PopShallow(vllm_config=vllm_config, prefix=f"{prefix}pop_shallow", model=model, first=0,
+                             last=cut)
     with set_model_tag("pop_kv"):
-        kv = PopKV(vllm_config=vllm_config, prefix=f"{prefix}pop_kv", model=model, cut=cut, k_norm=k_norm,
+        kv = PopKV(vllm_config=vllm_config, prefix=f"{prefix}pop_kv", model=model, cut=cut,
                    fitted=settings.kv_weights is not None)
     with set_model_tag("pop_deep"):
-        deep = PopDeep(vllm_config=vllm_config, prefix=f"{prefix}pop_deep", model=model, first=cut, last=layers)
+        deep = PopDeep(vllm_config=vllm_config, prefix=f"{prefix}pop_deep", model=model, first=cut,
+                       last=layers)
     return PopStack(model=model, shallow=shallow, kv=kv, deep=deep, cut=cut)
 
 
-def _no_k_norm(self_attn) -> None:
-    return None
-
-
-def _qwen2_k_norm(self_attn):
-    return self_attn.k_norm if self_attn.qk_norm else None
-
-
-def _own_k_norm(self_attn):
-    return self_attn.k_norm
-
-
 class PopLlamaForCausalLM(_PopMixin, LlamaForCausalLM):
-    k_norm = staticmethod(_no_k_norm)
+    pass
 
 
 class PopMistralForCausalLM(_PopMixin, MistralForCausalLM):
-    k_norm = staticmethod(_no_k_norm)
+    pass
 
 
 class PopQwen2ForCausalLM(_PopMixin, Qwen2ForCausalLM):
-    k_norm = staticmethod(_qwen2_k_norm)
+    pass
 
 
 class PopQwen3ForCausalLM(_PopMixin, Qwen3ForCausalLM):
-    k_norm = staticmethod(_own_k_norm)
+    pass
 
 
 class PopGemma3ForCausalLM(_PopMixin, Gemma3ForCausalLM):
-    k_norm = staticmethod(_own_k_norm)
+    pass

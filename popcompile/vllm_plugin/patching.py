@@ -1,4 +1,5 @@
-"""The plugin's two changes to vLLM methods go through here: once per process, recognisable, the original kept."""
+"""The plugin's two changes to vLLM methods go through here: once per process, recognisable, the original
+kept."""
 from __future__ import annotations
 
 import functools

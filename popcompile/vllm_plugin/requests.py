@@ -25,9 +25,9 @@ def _refusing_prompt_logprobs(original):
         pop = self.vllm_config.model_config.architecture in POP_ARCHITECTURES
         if pop and getattr(params, "prompt_logprobs", None):
             raise VLLMValidationError(
-                "prompt_logprobs: this model is served with POP (popcompile), whose prompt tokens skip the deep "
-                "layers, so their logprobs cannot be computed; drop prompt_logprobs, or serve the model without "
-                "POP", parameter="prompt_logprobs")
+                "prompt_logprobs: this model is served with POP (popcompile), whose prompt tokens skip the "
+                "deep layers, so their logprobs cannot be computed; drop prompt_logprobs, or serve the model "
+                "without POP", parameter="prompt_logprobs")
         return original(self, params, supported_tasks)
 
     return validate

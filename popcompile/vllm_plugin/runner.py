@@ -31,13 +31,15 @@ def install() -> None:
 
 def _keeping_prompt_ends(original):
     def prepare_survivors(self, logits_indices: torch.Tensor) -> torch.Tensor:
-        padded = original(self, logits_indices)  # [n_padded], one index per request (PopConfigHook: no drafts)
+        # [n_padded], one index per request (PopConfigHook: no drafts)
+        padded = original(self, logits_indices)
         requests = logits_indices.shape[0]
         ends = ~self.discard_request_mask.gpu[:requests].bool()
         keep = logits_indices[ends]
         short = short_prompt_tokens(self, requests)
         if short.size:
-            keep = torch.unique(torch.cat([keep, torch.from_numpy(short).to(keep)]))  # sorted, as the steps' tokens
+            # sorted, as the steps' tokens
+            keep = torch.unique(torch.cat([keep, torch.from_numpy(short).to(keep)]))
         # the runner's buffer holds max_num_tokens indices: room for every token of the step
         out = self.kv_sharing_fast_prefill_logits_indices[:max(padded.shape[0], keep.shape[0])]
         out.fill_(-1)
@@ -50,7 +52,8 @@ def _keeping_prompt_ends(original):
 
 
 def short_prompt_tokens(runner, requests: int) -> np.ndarray:
-    """Step token indices [K] of the requests still in a prompt shorter than the folder's min_prompt_tokens."""
+    """Step token indices [K] of the requests still in a prompt shorter than the folder's
+    min_prompt_tokens."""
     threshold = PopSettings.of(runner.model_config.hf_config).min_prompt_tokens
     prompt = runner.input_batch.num_prompt_tokens[:requests]
     computed = runner.input_batch.num_computed_tokens_cpu[:requests]  # before this step's tokens

@@ -2,7 +2,8 @@
 
     config.json
       "architectures": ["PopLlamaForCausalLM"]
-      "popcompile": {"cut": 20, "kv_weights": "pop_kv.safetensors" | null, "min_prompt_tokens": 64, "format": 1}
+      "popcompile": {"cut": 20, "kv_weights": "pop_kv.safetensors" | null, "min_prompt_tokens": 64,
+                     "format": 1}
 
 ``min_prompt_tokens``: a request whose prompt is shorter runs every prompt token through the full model
 (runner.py); absent (folders written before it existed): 0, POP for every prompt, as those folders served.
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 
 from ..engine.vllm_folder import CONFIG_KEY, FORMAT
 from ..errors import ConfigError, EnvironmentUnavailable, ModelError
+from ..threshold import is_token_count
 
 VLLM_VERSION = "0.32.0"  # the one vLLM whose attention metadata and model classes this plugin was built on
 KV_WEIGHTS_FILE = "pop_kv.safetensors"
@@ -37,16 +39,18 @@ class PopSettings:
     min_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.cut, bool) or not isinstance(self.cut, int) or not 1 <= self.cut <= self.num_layers:
-            raise ModelError(f"config.json popcompile.cut={self.cut!r} is not a layer count in 1..{self.num_layers}: "
+        if isinstance(self.cut, bool) or not isinstance(self.cut, int) \
+                or not 1 <= self.cut <= self.num_layers:
+            raise ModelError(f"config.json popcompile.cut={self.cut!r} is not a layer count in "
+                             f"1..{self.num_layers}: "
                              "export the folder again with `popcompile export MODEL --target vllm`")
         if self.kv_weights not in (None, KV_WEIGHTS_FILE):
-            raise ModelError(f"config.json popcompile.kv_weights={self.kv_weights!r}: expected {KV_WEIGHTS_FILE!r} "
-                             "or null; export the folder again")
+            raise ModelError(f"config.json popcompile.kv_weights={self.kv_weights!r}: "
+                             f"expected {KV_WEIGHTS_FILE!r} or null; export the folder again")
         threshold = self.min_prompt_tokens
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ModelError(f"config.json popcompile.min_prompt_tokens={threshold!r} is not a token count >= 0: "
-                             "export the folder again with `popcompile export MODEL --target vllm`")
+        if not is_token_count(threshold):
+            raise ModelError(f"config.json popcompile.min_prompt_tokens={threshold!r} is not a token count "
+                             ">= 0: export the folder again with `popcompile export MODEL --target vllm`")
 
     @property
     def prunes(self) -> bool:
@@ -56,10 +60,10 @@ class PopSettings:
     def of(cls, hf_config: Any) -> PopSettings:
         entry = getattr(hf_config, CONFIG_KEY, None)
         if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
-            raise ModelError(f"config.json has no readable {CONFIG_KEY!r} entry of format {FORMAT} ({entry!r}): "
-                             "make the folder with `popcompile export MODEL --target vllm`")
-        return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers, kv_weights=entry.get("kv_weights"),
-                   min_prompt_tokens=entry.get("min_prompt_tokens", 0))
+            raise ModelError(f"config.json has no readable {CONFIG_KEY!r} entry of format {FORMAT} "
+                             f"({entry!r}): make the folder with `popcompile export MODEL --target vllm`")
+        return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers,
+                   kv_weights=entry.get("kv_weights"), min_prompt_tokens=entry.get("min_prompt_tokens", 0))
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "cut": self.cut, "kv_weights": self.kv_weights,
@@ -70,8 +74,8 @@ def check_vllm_version(version: str) -> None:
     if version != VLLM_VERSION:
         raise EnvironmentUnavailable(
             f"vLLM {version} is installed; popcompile's POP plugin is built for vLLM {VLLM_VERSION} "
-            f"(pip install \"popcompile[vllm]\", or `pip install vllm=={VLLM_VERSION}`), or serve the folder's "
-            "model without POP")
+            f"(pip install \"popcompile[vllm]\", or `pip install vllm=={VLLM_VERSION}`), or serve the "
+            "folder's model without POP")
 
 
 class PopConfigHook:
@@ -88,8 +92,8 @@ class PopConfigHook:
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
-                              f"{parallel.pipeline_parallel_size}: the POP plugin serves one device per model "
-                              "for now; set both to 1")
+                              f"{parallel.pipeline_parallel_size}: the POP plugin serves one device per "
+                              "model for now; set both to 1")
         if vllm_config.speculative_config is not None:
             raise ConfigError("speculative decoding with a POP folder: drafts need the full model's logits "
                               "for every token; serve without speculative_config")

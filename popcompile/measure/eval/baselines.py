@@ -95,7 +95,8 @@ def decoder_linears(model) -> dict[str, torch.nn.Linear]:
 
 
 def input_square_norms(model, batches: list[torch.Tensor], progress=None) -> dict[str, torch.Tensor]:
-    """Module path -> ``sum over calibration tokens of x_j^2`` [in] of each decoder linear's input x [B, T, in]."""
+    """Module path -> ``sum over calibration tokens of x_j^2`` [in] of each decoder linear's input
+    x [B, T, in]."""
     linears = decoder_linears(model)
     sums = {path: torch.zeros(m.in_features, dtype=torch.float64) for path, m in linears.items()}
     by_module = {id(m): sums[path] for path, m in linears.items()}
@@ -150,8 +151,9 @@ def wanda_weights(model, batches: list[torch.Tensor], options: BaselineOptions =
 def slicegpt_refusal(config) -> str | None:
     """Why SliceGPT cannot rewrite this architecture (one line), or None when it can."""
     if arch_spec(config).branch_output_norms:
-        return (f"slicegpt cannot rotate {config.model_type}: its post-attention / post-feedforward norms act on "
-                "each branch output before the residual add, so the residual stream is not rotation invariant; "
+        return (f"slicegpt cannot rotate {config.model_type}: its post-attention / post-feedforward norms "
+                "act on each branch output before the residual add, so the residual stream is not rotation "
+                "invariant; "
                 "use the wanda variant for this model")
     return None
 
@@ -159,7 +161,8 @@ def slicegpt_refusal(config) -> str | None:
 def _layer_parts(model, layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The modules SliceGPT rewrites in one decoder layer; ConfigError naming what is missing."""
     spec = arch_spec(model.config)
-    names = (spec.input_norm, spec.k_proj, spec.v_proj, *_ATTENTION_READERS, _MLP_NORM, *_MLP_READERS, *_WRITERS)
+    names = (spec.input_norm, spec.k_proj, spec.v_proj, *_ATTENTION_READERS, _MLP_NORM, *_MLP_READERS,
+             *_WRITERS)
     try:
         return {name: layer.get_submodule(name) for name in names}
     except AttributeError as missing:
@@ -174,7 +177,8 @@ def _residual_norms(model) -> list[torch.nn.Module]:
 
 
 def pca_rotation(covariance: torch.Tensor) -> torch.Tensor:
-    """Orthogonal Q [d, d] (float64): eigenvectors of the symmetric ``covariance`` [d, d], eigenvalues descending."""
+    """Orthogonal Q [d, d] (float64): eigenvectors of the symmetric ``covariance`` [d, d], eigenvalues
+    descending."""
     values, vectors = torch.linalg.eigh(covariance.double())
     return vectors[:, values.argsort(descending=True)]
 

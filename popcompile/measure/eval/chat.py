@@ -29,7 +29,8 @@ from .scoring import compare_generations, num_layers
 
 CONVERSATIONS: tuple[tuple[str, str, str], ...] = (
     ("What is the capital of France?", "Roughly how many people live there?", "Name a famous museum there."),
-    ("Write a Python function that returns the factorial of n.", "Now make it iterative.", "Add a docstring."),
+    ("Write a Python function that returns the factorial of n.", "Now make it iterative.",
+     "Add a docstring."),
     ("Explain what a hash table is in two sentences.", "What is a collision?", "How can one be resolved?"),
     ("Give me three tips for better sleep.", "Which one matters most?", "Why that one?"),
     ("What is photosynthesis?", "Where in the plant does it happen?", "What does it produce?"),
@@ -41,11 +42,13 @@ CONVERSATIONS: tuple[tuple[str, str, str], ...] = (
 
 @dataclass(frozen=True)
 class Conversation:
-    turns: list[tuple[list[int], list[int]]]  # each earlier turn: (its prompt ids, the full model's reply ids)
+    # each earlier turn: (its prompt ids, the full model's reply ids)
+    turns: list[tuple[list[int], list[int]]]
     final: list[int]                          # the last turn's prompt ids (the whole history)
 
 
-def chat_task(model, tok, variants: Mapping[str, reference.Variant], limit: int | None, gen_tokens: int) -> dict:
+def chat_task(model, tok, variants: Mapping[str, reference.Variant], limit: int | None,
+              gen_tokens: int) -> dict:
     """The task's results (module docstring) for the first ``limit`` conversations, for each of ``variants``
     named in ``CHAT_VARIANTS`` (the others are skipped: the ablations already collapse on one turn)."""
     if not getattr(tok, "chat_template", None):
@@ -59,7 +62,8 @@ def chat_task(model, tok, variants: Mapping[str, reference.Variant], limit: int 
     by_final = {tuple(c.final): c for c in conversations}
     runs = {"full": lambda c: reference.generate(model, torch.tensor([c.final]), gen_tokens, full, eos)}
     for name, variant in chosen.items():
-        runs[name] = lambda c, v=variant: reference.generate(model, torch.tensor([c.final]), gen_tokens, v, eos)
+        runs[name] = lambda c, v=variant: reference.generate(model, torch.tensor([c.final]), gen_tokens, v,
+                                                             eos)
         runs[f"{name}-carried"] = lambda c, v=variant: carried(model, c, v, gen_tokens, eos)
     scores = compare_generations([c.final for c in conversations], list(runs),
                                  lambda name, ids: runs[name](by_final[tuple(ids)]),
@@ -81,7 +85,8 @@ def _history(model, tok, turns: tuple[str, ...], full, gen_tokens: int) -> Conve
 
 
 def _template(tok, messages: list[dict]) -> list[int]:
-    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=False))
 
 
 def carried(model, conversation: Conversation, variant, gen_tokens: int, eos: int | None) -> list[int]:
@@ -92,7 +97,8 @@ def carried(model, conversation: Conversation, variant, gen_tokens: int, eos: in
 
 @torch.no_grad()
 def carried_prefill(model, conversation: Conversation, variant) -> tuple[reference.PopRun, torch.Tensor]:
-    """The run after the last turn's prompt, the cache carried from the earlier turns, and its logits [1, V]."""
+    """The run after the last turn's prompt, the cache carried from the earlier turns, and its logits
+    [1, V]."""
     run, cached = reference.PopRun(model, variant, 0), []
     for ids, reply in conversation.turns:
         kept = common_prefix(cached, ids)

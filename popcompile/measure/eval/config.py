@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import DistillConfig
+from ...config import DistillConfig, is_prune_ratio
 from ...errors import ConfigError, OutputError
 from ...fsutil import check_destination
 
@@ -67,14 +67,16 @@ class EvalConfig:
         for flag, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{flag} must be >= 1, got {value!r} (a whole number)")
-        if self.prune_ratio is not None and not (math.isfinite(self.prune_ratio) and 0.0 <= self.prune_ratio < 1.0):
+        if self.prune_ratio is not None and not is_prune_ratio(self.prune_ratio):
             raise ConfigError(f"--prune-ratio must be within 0 <= ratio < 1, got {self.prune_ratio}")
         if not (math.isfinite(self.min_agreement) and 0.0 <= self.min_agreement <= 1.0):
             raise ConfigError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
         if self.code_prompt not in PROMPT_FORMATS:
-            raise ConfigError(f"unknown HumanEval prompt format {self.code_prompt!r}: use {', '.join(PROMPT_FORMATS)}")
+            raise ConfigError(f"unknown HumanEval prompt format {self.code_prompt!r}: "
+                              f"use {', '.join(PROMPT_FORMATS)}")
         if not isinstance(self.distill, DistillConfig):
-            raise ConfigError(f"distill={self.distill!r} is not a DistillConfig: give DistillConfig(steps=...)")
+            raise ConfigError(f"distill={self.distill!r} is not a DistillConfig: "
+                              "give DistillConfig(steps=...)")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ConfigError(f"--timeout must be > 0, got {self.timeout}")
 

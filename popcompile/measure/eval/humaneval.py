@@ -38,10 +38,12 @@ _KEPT_NODES = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef
 def resolve_format(tokenizer: Any, prompt_format: str) -> str:
     """``chat`` or ``raw`` (``auto``: chat when the tokenizer has a chat template)."""
     if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"unknown HumanEval prompt format {prompt_format!r}: use {', '.join(PROMPT_FORMATS)}")
+        raise ValueError(f"unknown HumanEval prompt format {prompt_format!r}: "
+                         f"use {', '.join(PROMPT_FORMATS)}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if prompt_format == "chat" and not has_template:
-        raise ValueError("prompt format 'chat' needs a tokenizer with a chat template: use 'raw' for this model")
+        raise ValueError("prompt format 'chat' needs a tokenizer with a chat template: "
+                         "use 'raw' for this model")
     if prompt_format == "auto":
         return "chat" if has_template else "raw"
     return prompt_format
@@ -124,7 +126,8 @@ def completion_text(tokenizer: Any, prompt: list[int], new_ids: list[int]) -> st
 
 @torch.no_grad()
 def generate_until(model, prompt: torch.Tensor, variant: Variant, max_new_tokens: int,
-                   eos_token_id: int | None = None, stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+                   eos_token_id: int | None = None,
+                   stop: Callable[[list[int]], bool] | None = None) -> list[int]:
     """``reference.generate`` with an early stop: ends after the token for which ``stop(tokens)`` holds.
     With ``stop=None`` it returns exactly what ``reference.generate`` returns."""
     with reference.attention_for(model, variant):
@@ -176,8 +179,8 @@ def humaneval_eval(model, tokenizer, problems: list[dict], variants: dict[str, V
                    runner: str = "auto", prompt_format: str = "auto", baseline: str = "full") -> dict:
     """pass@1 (greedy) per variant and the fraction of completions identical to the baseline's."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    generate = lambda name, ids, stop: generate_until(model, torch.tensor([ids]), variants[name], max_new_tokens,
-                                                      eos, stop)
+    generate = lambda name, ids, stop: generate_until(model, torch.tensor([ids]), variants[name],
+                                                      max_new_tokens, eos, stop)
     return humaneval_scores(generate, tokenizer, problems, list(variants), allow_code_exec=allow_code_exec,
                             timeout=timeout, runner=runner, prompt_format=prompt_format, baseline=baseline)
 

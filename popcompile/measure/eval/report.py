@@ -9,7 +9,8 @@ from ...fsutil import atomic_path, atomic_write
 from .config import check_output_folder
 
 # bar colours follow the order of scoring.VARIANTS; curves of the sweep by variant
-_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-kvfit-carried", "pop-distill", "pop-distill-carried",
+_VARIANT_ORDER = ("full", "pop", "pop-carried", "pop-kvfit", "pop-kvfit-carried", "pop-distill",
+                  "pop-distill-carried",
                   "pop-no-boundary", "pop-no-kv", "shortgpt",
                   "wanda", "slicegpt")
 _CURVE_COLORS = {"pop": "tab:blue", "pop-kvfit": "tab:orange", "pop-distill": "tab:green"}
@@ -18,7 +19,8 @@ _CURVE_COLORS = {"pop": "tab:blue", "pop-kvfit": "tab:orange", "pop-distill": "t
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
 
 
@@ -55,7 +57,8 @@ def _sweep_table(s: dict) -> list[str]:
     names = list(dict.fromkeys(r.get("variant", "pop") for r in s["rows"]))
     by_cut: dict[int, dict] = {}
     for r in s["rows"]:
-        by_cut.setdefault(r["cut"], {"cut": r["cut"], "pruned": r["pruned_layers"], "bound": r["speedup_bound"]})
+        by_cut.setdefault(r["cut"], {"cut": r["cut"], "pruned": r["pruned_layers"],
+                                     "bound": r["speedup_bound"]})
         by_cut[r["cut"]][r.get("variant", "pop")] = r
     headers = ["cut", "pruned", "bound"] + [f"{n} {k}" for n in names for k in ("agree", "NLL")]
     rows = [[v["cut"], v["pruned"], v["bound"], *(v[n][k] for n in names for k in ("agreement", "nll"))]
@@ -63,13 +66,15 @@ def _sweep_table(s: dict) -> list[str]:
     picks = s["auto_cut"]
     if picks and not isinstance(next(iter(picks.values())), dict):  # results of an older version: pop only
         picks = {"pop": picks}
-    lines = [f"auto cut ({n}): " + ", ".join(f"agreement >= {k}: {v}" for k, v in p.items()) for n, p in picks.items()]
+    lines = [f"auto cut ({n}): " + ", ".join(f"agreement >= {k}: {v}" for k, v in p.items())
+             for n, p in picks.items()]
     return [f"\nsweep ({', '.join(names)}): {s['documents']} documents", format_table(headers, rows), *lines]
 
 
 def report(results: dict) -> str:
     """The terminal summary of a results dict."""
-    engine = f" (engine {results['engine']}, onnxruntime {results.get('provider', 'cpu')})" if "engine" in results else ""
+    engine = (f" (engine {results['engine']}, onnxruntime {results.get('provider', 'cpu')})"
+              if "engine" in results else "")
     parts = [f"{results['model']}{engine}: {results['num_layers']} layers, cut {results['cut']} "
              f"(FLOP bound {results['speedup_bound']:.2f}x at {results['prefix_len']} tokens)"]
     parts += _task_tables(results["tasks"], results)
@@ -82,15 +87,18 @@ def _panels(results: dict) -> list[tuple[str, dict[str, float], bool]]:
     t, panels = results["tasks"], []
     if "continuation" in t:
         v = t["continuation"]["variants"]
-        panels += [("continuation: top-1 agreement with full", {n: x["agreement"] for n, x in v.items()}, False),
+        panels += [("continuation: top-1 agreement with full", {n: x["agreement"] for n, x in v.items()},
+                    False),
                    ("continuation: perplexity", {n: x["perplexity"] for n, x in v.items()}, True)]
     if "generation" in t:
         v = t["generation"]["variants"]
         panels += [("generation: exact match with full", {n: x["exact_match"] for n, x in v.items()}, False),
-                   ("generation: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()}, False)]
+                   ("generation: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()},
+                    False)]
     if "chat" in t:
         v = t["chat"]["variants"]
-        panels += [("chat, turn 3: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()}, False)]
+        panels += [("chat, turn 3: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()},
+                    False)]
     if "humaneval" in t:
         v = t["humaneval"]["variants"]
         panels += [("humaneval: pass@1", {n: x["pass@1"] for n, x in v.items()}, False)]
@@ -129,7 +137,8 @@ def plot_quality(results: dict, path: Path) -> None:
 
 
 def plot_sweep(results: dict, path: Path) -> None:
-    """Agreement (left, solid) and NLL (right, dashed) against the FLOP-bound speedup, one curve per variant."""
+    """Agreement (left, solid) and NLL (right, dashed) against the FLOP-bound speedup, one curve per
+    variant."""
     plt, rows = _pyplot(), results["sweep"]["rows"]
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     right = ax.twinx()
@@ -148,7 +157,8 @@ def plot_sweep(results: dict, path: Path) -> None:
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="center left")
     ax.grid(alpha=0.3)
-    ax.set_title(f"{results['model']}: cut sweep (labels: cut of {results['num_layers']} layers)", fontsize=10)
+    ax.set_title(f"{results['model']}: cut sweep (labels: cut of {results['num_layers']} layers)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -5,19 +5,23 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
     full             Variant(cut=L)                  nothing pruned
     pop              Variant(cut)                    POP as in the paper
     pop-kvfit        Variant(cut, kv_weights=...)    POP+ (ridge refit of the deep K/V projections)
-    pop-distill      Variant(cut, kv_weights=...)    POP++ (that refit distilled on the output; minutes per cut)
+    pop-distill      Variant(cut, kv_weights=...)    POP++ (that refit distilled on the output; minutes
+                                                     per cut)
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
-    wanda            Variant(L, weights=...)         Wanda: 30% of each decoder linear's row zeroed (baselines.py)
-    slicegpt         Variant(L, weights=...)         SliceGPT: 25% of the hidden dimension sliced off (not Gemma 3)
+    wanda            Variant(L, weights=...)         Wanda: 30% of each decoder linear's row zeroed
+                                                     (baselines.py)
+    slicegpt         Variant(L, weights=...)         SliceGPT: 25% of the hidden dimension sliced off
+                                                     (not Gemma 3)
 
 Tasks (data: ``data.py``): ``continuation`` (teacher-forced NLL / perplexity of a continuation
 after a prefilled prefix, and top-1 agreement with the full model), ``generation`` (greedy chat
 generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
 runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
 ``humaneval.py``), ``chat`` (three-turn conversations: POP with the cache carried across turns, as
-``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``--sweep`` runs the continuation task for ``pop`` and ``pop-kvfit`` (and ``pop-distill`` when named) at every cut
+``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``--sweep`` runs
+the continuation task for ``pop`` and ``pop-kvfit`` (and ``pop-distill`` when named) at every cut
 from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
 choice ``choose_cut``).
 
@@ -102,17 +106,20 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
             "documents": len(docs), "names": [d.name for d in docs], "skipped_too_short": len(skipped),
             "variants": continuation_eval(model, docs, variants, c.batch_size)})
     if "generation" in c.tasks:
-        t["generation"] = timed(lambda: reference_generation_task(model, tok, variants, c.limit, c.gen_tokens))
+        t["generation"] = timed(lambda: reference_generation_task(model, tok, variants, c.limit,
+                                                                  c.gen_tokens))
     if "chat" in c.tasks:
         t["chat"] = timed(lambda: chat_task(model, tok, variants, c.limit, c.gen_tokens))
     if "humaneval" in c.tasks:
         problems = eval_data.humaneval_problems()[:c.limit]
-        t["humaneval"] = timed(lambda: {"problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_eval(
-            model, tok, problems, variants, allow_code_exec=c.allow_code_exec, max_new_tokens=c.code_tokens,
-            timeout=c.timeout, prompt_format=c.code_prompt)})
+        t["humaneval"] = timed(lambda: {
+            "problems": len(problems), "max_new_tokens": c.code_tokens, **humaneval_eval(
+                model, tok, problems, variants, allow_code_exec=c.allow_code_exec,
+                max_new_tokens=c.code_tokens, timeout=c.timeout, prompt_format=c.code_prompt)})
     if c.sweep:
         def run_sweep() -> dict:
-            rows = sweep(model, docs, batch_size=c.batch_size, variants=curves, kv_fit=kv_fit, distill_fit=distill_fit)
+            rows = sweep(model, docs, batch_size=c.batch_size, variants=curves, kv_fit=kv_fit,
+                         distill_fit=distill_fit)
             thresholds = {c.min_agreement, 0.9, 0.95, 0.99}
             return {"documents": len(docs), "rows": rows, "auto_cut": auto_cuts(rows, thresholds)}
         results["sweep"] = timed(run_sweep)

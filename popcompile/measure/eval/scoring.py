@@ -6,7 +6,8 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
     full             Variant(cut=L)                  nothing pruned
     pop              Variant(cut)                    POP as in the paper
     pop-kvfit        Variant(cut, kv_weights=...)    POP+ (K/V projections refitted, calibrate.py)
-    pop-distill      Variant(cut, kv_weights=...)    POP++ (pop-kvfit's weights distilled on the output, distill.py)
+    pop-distill      Variant(cut, kv_weights=...)    POP++ (pop-kvfit's weights distilled on the output,
+                                                     distill.py)
     pop-no-boundary  Variant(cut, boundary=False)    x_N pruned too
     pop-no-kv        Variant(cut, kv_projection=False)  deep layers leave no cache for the prompt
     shortgpt         Variant(cut, shortgpt=True)     deep layers removed in prefill and decode
@@ -34,7 +35,8 @@ from . import data as eval_data
 class VariantContext:
     """What a variant factory may use: the cut, the depth, and (lazily) K/V weights for that cut, from
     ``kv_fit`` (POP+, ridge) or ``distill_fit`` (POP++): cut -> {layer: {"k_proj"|"v_proj": Projection}};
-    and from ``baseline_fit`` a baseline's weight transform: "wanda"|"slicegpt" -> {"module.param": tensor}."""
+    and from ``baseline_fit`` a baseline's weight transform: "wanda"|"slicegpt" ->
+    {"module.param": tensor}."""
 
     cut: int
     num_layers: int
@@ -72,7 +74,8 @@ VARIANTS: dict[str, Callable[[VariantContext], Variant]] = {
     "wanda": lambda c: Variant(c.num_layers, weights=c.baseline_weights("wanda")),
     "slicegpt": lambda c: Variant(c.num_layers, weights=c.baseline_weights("slicegpt")),
 }
-#: the variants with refitted K/V weights -> the VariantContext field (and make_variants/sweep argument) they use
+#: the variants with refitted K/V weights -> the VariantContext field (and make_variants/sweep argument)
+#: they use
 REFITS = {"pop-kvfit": "kv_fit", "pop-distill": "distill_fit"}
 BASELINE = "full"
 
@@ -104,21 +107,26 @@ def describe(variant: Variant) -> dict:
 
 
 def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
-    """cut -> POP+ weights fitted on the built-in calibration corpus (held out from the evaluation data).
+    """cut -> POP+ weights as ``export --kv-calibration auto`` fits them (KVFitConfig's defaults, on the
+    built-in calibration corpus, held out from the evaluation data).
 
     Lazy: the first call fits its cut and every cut in ``cuts`` in one pass over the corpus
     (``calibrate.fit_kv_cuts``); later calls for those cuts are free."""
-    from ...kvfit.calibrate import default_batches, fit_kv_cuts
+    from ...config import KVFitConfig
+    from ...kvfit.calibrate import fit_kv_cuts
+    from ...kvfit.fit import builtin_tokens
 
-    layers = num_layers(loaded.model)
+    config, layers = KVFitConfig(), num_layers(loaded.model)
     fits: dict[int, Any] = {}
 
     def fit(cut: int):
         if cut not in fits:
             wanted = sorted({cut, *(c for c in cuts if 1 <= c < layers - 1)})
-            batches = default_batches(loaded.tokenizer)
-            with torch.no_grad(), _bar(sum(b.numel() for b in batches), f"calibrate {len(wanted)} cut(s)") as bar:
-                found = fit_kv_cuts(loaded.model, batches, wanted, progress=bar.update)
+            batches = builtin_tokens(loaded.tokenizer, config)
+            with torch.no_grad(), _bar(sum(b.numel() for b in batches),
+                                       f"calibrate {len(wanted)} cut(s)") as bar:
+                found = fit_kv_cuts(loaded.model, batches, wanted, ridge=config.ridge, bias=config.fits_bias,
+                                    progress=bar.update)
             fits.update({c: f.weights for c, f in found.items()})
         return fits[cut]
     return fit
@@ -165,26 +173,26 @@ def default_baseline_fit(loaded, options: Any = None) -> Callable[[str], Any]:
 
 
 def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
-    """cut -> POP++ weights as ``export --kv-calibration distill`` makes them (``distill.ridge_then_distill``:
-    the ridge fit with a bias and its distillation from one full-model pass), with ``config`` (a
-    config.DistillConfig, default its defaults; tests give few steps), on windows of the built-in calibration
-    corpus, 560 tokens each (prompt 512, 48 scored; distill.default_windows, disjoint from the evaluation data).
-    Lazy, one run per cut."""
-    from ...config import DistillConfig
-    from ...kvfit.distill import default_windows, ridge_then_distill
+    """cut -> POP++ weights as ``export --kv-calibration distill`` makes them (``kvfit.fit.fit_cut``, method
+    distill: the ridge fit with a bias and its distillation from one full-model pass), with ``config`` (a
+    config.DistillConfig, default its defaults; tests give few steps), on the built-in corpus's windows
+    (``kvfit.fit.builtin_tokens``: 512 prompt + 48 scored tokens, disjoint from the evaluation data).
+    Lazy, one run per cut; the corpus is tokenized once."""
+    from ...config import DistillConfig, KVFitConfig
+    from ...kvfit.fit import builtin_tokens, fit_cut
 
-    config = DistillConfig() if config is None else config
+    fit_config = KVFitConfig(method="distill", distill=DistillConfig() if config is None else config)
     fits: dict[int, Any] = {}
     windows: list = []  # the corpus, tokenized at the first cut asked for and reused for the others
 
     def fit(cut: int):
         if cut not in fits:
-            windows[:] = windows or [default_windows(loaded.tokenizer)]
-            with _bar(config.steps, f"distill cut {cut}") as bar:
+            windows[:] = windows or [builtin_tokens(loaded.tokenizer, fit_config)]
+            with _bar(fit_config.distill.steps, f"distill cut {cut}") as bar:
                 def report(event) -> None:  # the training steps; the teacher pass over the windows is short
                     if event.phase == "train":
                         bar.update(event.done - bar.n)
-                fits[cut] = ridge_then_distill(loaded.model, windows[0], cut, config, progress=report).fit.weights
+                fits[cut] = fit_cut(loaded.model, windows[0], cut, fit_config, progress=report)[0].weights
         return fits[cut]
     return fit
 
@@ -223,7 +231,8 @@ def last_logits_only(model) -> Iterator[None]:
 
 
 @torch.no_grad()
-def continuation_logits(model, prefix: torch.Tensor, continuation: torch.Tensor, variant: Variant) -> torch.Tensor:
+def continuation_logits(model, prefix: torch.Tensor, continuation: torch.Tensor,
+                        variant: Variant) -> torch.Tensor:
     """``reference.continuation_logits`` [B, C, V], with the prefill's logits made for its last row only
     (the only one it returns; on Gemma 3's 262k vocabulary the all-row head costs more than the layers)."""
     with reference.attention_for(model, variant):
@@ -250,7 +259,8 @@ def continuation_eval(model, docs: list[eval_data.Document], variants: dict[str,
 def check_documents(docs: list[eval_data.Document], names: Iterable[str]) -> None:
     """ValueError unless the baseline is among ``names`` and the documents share one shape."""
     if BASELINE not in names:
-        raise ConfigError(f"continuation_eval needs the {BASELINE!r} variant as its baseline: add it to --variants")
+        raise ConfigError(f"continuation_eval needs the {BASELINE!r} variant as its baseline: "
+                          "add it to --variants")
     if not docs:
         raise ValueError("continuation_eval needs at least one document")
     lengths = {(len(d.prefix), len(d.continuation)) for d in docs}
@@ -319,14 +329,16 @@ def matched_prefix(a: list[int], b: list[int]) -> int:
 
 @torch.no_grad()
 def generation_eval(model, prompts: list[list[int]], variants: dict[str, Variant], max_new_tokens: int = 64,
-                    eos_token_id: int | None = None, decode: Callable[[list[int]], str] | None = None) -> dict:
+                    eos_token_id: int | None = None,
+                    decode: Callable[[list[int]], str] | None = None) -> dict:
     """Greedy generations with ``reference.generate``, scored by ``compare_generations``."""
-    generate = lambda name, ids: reference.generate(model, torch.tensor([ids]), max_new_tokens, variants[name],
-                                                    eos_token_id)
+    generate = lambda name, ids: reference.generate(model, torch.tensor([ids]), max_new_tokens,
+                                                    variants[name], eos_token_id)
     return compare_generations(prompts, list(variants), generate, decode)
 
 
-def compare_generations(prompts: list[list[int]], names: list[str], generate: Callable[[str, list[int]], list[int]],
+def compare_generations(prompts: list[list[int]], names: list[str],
+                        generate: Callable[[str, list[int]], list[int]],
                         decode: Callable[[list[int]], str] | None = None) -> dict:
     """``generate(name, prompt ids) -> new ids`` for every prompt and variant; per variant ``exact_match``
     (identical token sequence to full's), ``matched_prefix`` (mean leading tokens equal to full's),
@@ -368,7 +380,8 @@ def reference_generation_task(model, tok, variants, limit, gen_tokens) -> dict:
 
 def generation_task(tok, names: list[str], generate: Callable[[str, list[int]], list[int]], limit: int | None,
                     gen_tokens: int) -> dict:
-    """The generation task's results: the chat prompts through ``generate(name, ids)`` (``compare_generations``)."""
+    """The generation task's results: the chat prompts through ``generate(name, ids)``
+    (``compare_generations``)."""
     texts = eval_data.CHAT_PROMPTS[:limit]
     prompts = [eval_data.chat_prompt_ids(tok, p) for p in texts]
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)

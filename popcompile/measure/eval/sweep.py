@@ -1,7 +1,8 @@
 """The trade-off curve: POP's quality at every cut against the FLOP bound, and the cut choice from it.
 
 ``sweep`` runs the continuation task (``evaluate.continuation_eval``) for ``pop``, ``pop-kvfit`` and/or
-``pop-distill`` (one distillation per cut: minutes each) at every cut from L down to ceil(L/2); each row carries the prefill FLOP-bound speedup of its cut at
+``pop-distill`` (one distillation per cut: minutes each) at every cut from L down to ceil(L/2); each row
+carries the prefill FLOP-bound speedup of its cut at
 the prefix length. ``auto_cut`` picks the deepest-pruning cut that keeps a given top-1 agreement;
 ``choose_cut`` does both on the built-in evaluation data for ``popcompile export --cut auto``.
 """
@@ -17,7 +18,8 @@ from ...reference import Variant
 from . import data as eval_data
 
 SWEEP_VARIANTS = ("pop", "pop-kvfit", "pop-distill")
-#: the curves ``--sweep`` draws when no variants are named: pop-distill (a distillation per cut) only on request
+#: the curves ``--sweep`` draws when no variants are named: pop-distill (a distillation per cut) only on
+#: request
 DEFAULT_SWEEP = ("pop", "pop-kvfit")
 #: kv_calibration mode -> the variant choose_cut scores. distill is chosen on its ridge start (pop-kvfit): a
 #: distillation per cut would take hours, and the distilled weights start from that fit
@@ -32,7 +34,8 @@ def sweep_cuts(num_layers: int) -> list[int]:
 
 
 def _sweep_variants(names: Iterable[str], cuts: list[int], layers: int,
-                    fits: dict[str, Callable[[int], Any] | None]) -> tuple[dict[str, Variant], dict[tuple[str, int], str]]:
+                    fits: dict[str, Callable[[int], Any] | None],
+                    ) -> tuple[dict[str, Variant], dict[tuple[str, int], str]]:
     """Unique variants to score and (name, cut) -> key of its scores. ``fits``: refitted variant -> cut -> its
     K/V weights (scoring.REFITS). A refit at cut >= L-1 has nothing to change (layer L-1 reads h_{L-1}
     anyway), so it reuses pop's row of that cut."""
@@ -68,7 +71,8 @@ def sweep(model, docs: list[eval_data.Document], cuts: list[int] | None = None, 
     to_score, keys = _sweep_variants(names, cuts, layers, {"pop-kvfit": kv_fit, "pop-distill": distill_fit})
     scores = continuation_eval(model, docs, to_score, batch_size, desc="sweep")
     n = len(docs[0].prefix)
-    return [{"variant": name, "cut": c, "pruned_layers": layers - c, "speedup_bound": speedup_bound(model.config, n, c),
+    return [{"variant": name, "cut": c, "pruned_layers": layers - c,
+             "speedup_bound": speedup_bound(model.config, n, c),
              **{k: scores[keys[(name, c)]][k] for k in METRICS}} for name in names for c in cuts]
 
 
@@ -133,7 +137,8 @@ def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibratio
     figures = {"min_agreement": min_agreement, "variant": name, "cut": cut,
                "agreement": round(row["agreement"], 4), "nll": round(row["nll"], 4),
                "perplexity": round(row["perplexity"], 3), "speedup_bound": round(row["speedup_bound"], 4),
-               "nll_full": round(next(r["nll"] for r in rows if r["cut"] == layers), 4),  # pop at cut L = full
+               # pop at cut L = full
+               "nll_full": round(next(r["nll"] for r in rows if r["cut"] == layers), 4),
                "data": DATA_NAME, "documents": len(docs), "prefix_len": prefix_len, "cont_len": cont_len,
                "curve": [{"cut": r["cut"], "agreement": round(r["agreement"], 4)} for r in rows]}
     return cut, figures
