@@ -27,10 +27,11 @@ from tiny_engine import tiny_tokenizer
 from popcompile.driver import export
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
+from popcompile.errors import ConfigError
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
 from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession, PopSession
 from popcompile.runtime.sampling import Sampler, SamplingConfig
 from popcompile.runtime.trt import EngineIO, TrtSession, resolve_binding
 
@@ -273,7 +274,8 @@ class EmulatedContext:
         self.runs += 1
 
 
-def emulated_session(folder: Path, *, max_batch: int, kv_binding: str = "auto", cuda_graph: bool = False):
+def emulated_session(folder: Path, *, max_batch: int, kv_binding: str = "auto", cuda_graph: bool = False,
+                     min_prompt_tokens: int | None = None):
     manifest = EngineManifest.read(folder)
     static = not has_sliding_window(folder)
     config = TrtBuildConfig(precision="fp32", opt_seq=16, max_batch=max_batch)
@@ -292,7 +294,7 @@ def emulated_session(folder: Path, *, max_batch: int, kv_binding: str = "auto", 
                 **{p.name: EmulatedContext(sessions["decode"], p, device, dtypes) for p in plan["decode"]}}
     io = EngineIO(dtypes, sessions["decode"].get_outputs()[0].shape[-1])
     return TrtSession.from_parts(folder, section, contexts, io, device, kv_binding=kv_binding,
-                                 cuda_graph=cuda_graph)
+                                 cuda_graph=cuda_graph, min_prompt_tokens=min_prompt_tokens)
 
 
 @pytest.fixture
@@ -352,6 +354,24 @@ def test_emulated_session_refuses_more_prompts_than_max_batch(llama_engine):
     session = emulated_session(llama_engine, max_batch=1)
     with pytest.raises(ValueError, match="max batch 1.*--max-batch 2"):
         session.generate(PROMPTS, SamplingConfig(max_new_tokens=2))
+
+
+def test_both_sessions_take_one_min_prompt_tokens_rule(llama_engine):
+    """One session setup (runtime/session.py): the override, the manifest's default and the refusal are the
+    same for onnxruntime and TensorRT, and a prompt under the threshold prefills with the full model in
+    both."""
+    assert OrtSession is PopSession  # the old name stays an alias
+    one = [PROMPTS[0]]  # 9 tokens
+    makers = (lambda **kw: OrtSession(llama_engine, **kw),
+              lambda **kw: emulated_session(llama_engine, max_batch=1, **kw))
+    for make in makers:
+        assert make().min_prompt_tokens == EngineManifest.read(llama_engine).min_prompt_tokens == 0
+        session = make(min_prompt_tokens=10)
+        assert session.min_prompt_tokens == 10
+        assert session.generate(one, SamplingConfig(max_new_tokens=1))[0].prefill == "full"  # 9 < 10
+        assert make(min_prompt_tokens=9).generate(one, SamplingConfig(max_new_tokens=1))[0].prefill == "pop"
+        with pytest.raises(ConfigError, match=r"min_prompt_tokens=-1 must be an integer >= 0"):
+            make(min_prompt_tokens=-1)
 
 
 def test_binding_choices(llama_engine, gemma_engine):
