@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import io
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +30,7 @@ from ..kvfit.calibrate import KVFit
 from ..passes.prefill import GraphPair
 from .ort_passes import ORT_PASSES, OrtContext
 from .quantize import quantize_weights
-from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
+from .steps import FUSE_STEP, QUANTIZE_STEP, onnx_write_steps
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -39,34 +39,65 @@ _ALIGN = 64
 _INLINE_BYTES = 1024
 
 
+@dataclass
+class _Writing:
+    """What the ONNX writer's steps (steps.ONNX_WRITE_STEPS) read and fill in, in order."""
+
+    folder: Path
+    loaded: LoadedModel
+    pair: GraphPair
+    quantization: WeightQuantization
+    decode: onnx.ModelProto | None = None
+    prefill: onnx.ModelProto | None = None
+    attention: dict = field(default_factory=dict)  # the manifest's entry: empty unless fused
+    weights_bytes: int = 0
+
+
+def _export_decode(w: _Writing) -> None:
+    w.decode = to_onnx(w.pair.decode, w.pair, with_logits=True)
+
+
+def _export_prefill(w: _Writing) -> None:
+    w.prefill = to_onnx(w.pair.prefill, w.pair, with_logits=w.pair.boundary == "folded")
+
+
+def _fuse(w: _Writing) -> None:
+    w.decode, w.prefill, w.attention = fuse_for_ort(w.decode, w.prefill, w.pair)
+
+
+def _quantize(w: _Writing) -> None:
+    w.decode, w.prefill = (quantize_weights(proto, w.quantization) for proto in (w.decode, w.prefill))
+
+
+def _write_folder(w: _Writing) -> None:
+    w.weights_bytes = write_shared(w.folder, {"decode.onnx": w.decode, "prefill.onnx": w.prefill})
+    # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
+    if not w.attention:
+        for name in ("decode.onnx", "prefill.onnx"):
+            onnx.checker.check_model(str(w.folder / name))
+    w.loaded.tokenizer.save_pretrained(w.folder)
+    w.loaded.model.generation_config.save_pretrained(w.folder)
+    w.loaded.model.config.to_json_file(w.folder / "config.json")  # geometry for cost models and tools
+
+
+#: what each of steps.ONNX_WRITE_STEPS does, by name
+_RUN = {"export decode graph": _export_decode, "export prefill graph": _export_prefill,
+        FUSE_STEP: _fuse, QUANTIZE_STEP: _quantize, "write engine folder": _write_folder}
+
+
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
                  step: Callable[[str], None], quantization: WeightQuantization,
                  attention: str) -> EngineManifest:
-    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``.
-    ``attention`` as the target resolved it (OnnxTarget.lowering): fused, norms and attention as onnxruntime's
-    contrib ops (exporters/ort_passes.py), or standard."""
-    step(ONNX_STEPS[0])
-    decode = to_onnx(pair.decode, pair, with_logits=True)
-    step(ONNX_STEPS[1])
-    prefill = to_onnx(pair.prefill, pair, with_logits=pair.boundary == "folded")
-    entry = {}
-    if attention == "fused":
-        step(FUSE_STEP)
-        decode, prefill, entry = fuse_for_ort(decode, prefill, pair)
-    if quantization.bits is not None:
-        step(QUANTIZE_STEP)
-        decode, prefill = (quantize_weights(proto, quantization) for proto in (decode, prefill))
-    step(ONNX_STEPS[2])
-    weights_bytes = write_shared(tmp, {"decode.onnx": decode, "prefill.onnx": prefill})
-    # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
-    if not entry:
-        for name in ("decode.onnx", "prefill.onnx"):
-            onnx.checker.check_model(str(tmp / name))
-    loaded.tokenizer.save_pretrained(tmp)
-    loaded.model.generation_config.save_pretrained(tmp)
-    loaded.model.config.to_json_file(tmp / "config.json")  # geometry for cost models and tools
-    manifest = replace(_manifest(tmp, loaded, pair, weights_bytes, fit, cut_choice),
-                       quantization=quantization.to_manifest(), attention=entry)
+    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``,
+    through steps.ONNX_WRITE_STEPS (each reported to ``step``). ``attention`` as the target resolved it
+    (OnnxTarget.lowering): fused, norms and attention as onnxruntime's contrib ops (exporters/ort_passes.py),
+    or standard."""
+    writing = _Writing(tmp, loaded, pair, quantization)
+    for write_step in onnx_write_steps(attention, quantization.bits is not None):
+        step(write_step.name)
+        _RUN[write_step.name](writing)
+    manifest = replace(_manifest(tmp, loaded, pair, writing.weights_bytes, fit, cut_choice),
+                       quantization=quantization.to_manifest(), attention=writing.attention)
     manifest.write(tmp)
     return manifest
 
@@ -132,8 +163,8 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
     offset, length = offsets[key]
     onnx.external_data_helper.set_external_data(tensor, WEIGHTS, offset=offset, length=length)
     tensor.ClearField("raw_data")
-    for field in ("float_data", "int32_data", "int64_data", "double_data"):
-        tensor.ClearField(field)
+    for name in ("float_data", "int32_data", "int64_data", "double_data"):
+        tensor.ClearField(name)
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 

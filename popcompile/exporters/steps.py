@@ -1,7 +1,39 @@
-"""The progress-step names the ONNX writer reports, shared by the writer (onnx.py) and the targets that
-count them for a progress bar (targets.py), so that neither imports the other."""
+"""The ONNX writer's steps as data, in order: onnx.py runs them, the targets count them for a progress bar
+(targets.py); here so that neither of those imports the other (onnx.py imports torch and onnx).
 
-ONNX_STEPS = ("export decode graph", "export prefill graph", "write engine folder")
-# after the exports, with attention="fused" (the onnx target's default)
-FUSE_STEP = "fuse attention for onnxruntime"
-QUANTIZE_STEP = "quantize weights"   # then, with --weights int8/int4
+    export decode graph             the captured program -> ONNX
+    export prefill graph            the POP prefill program -> ONNX
+    fuse attention for onnxruntime  attention lowered "fused" only: ort_passes.ORT_PASSES over both graphs
+    quantize weights                int8/int4 weights only: after fusing, so packed projections quantise whole
+    write engine folder             both graphs over one weights file, tokenizer and configs, the manifest
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WriteStep:
+    """A step of the ONNX writer; ``needs``: "fused" (attention lowered to onnxruntime's ops), "quantized"
+    (int8/int4 weights) or None (always)."""
+
+    name: str
+    needs: str | None = None
+
+
+ONNX_WRITE_STEPS = (
+    WriteStep("export decode graph"),
+    WriteStep("export prefill graph"),
+    WriteStep("fuse attention for onnxruntime", needs="fused"),
+    WriteStep("quantize weights", needs="quantized"),
+    WriteStep("write engine folder"),
+)
+FUSE_STEP, QUANTIZE_STEP = (step.name for step in ONNX_WRITE_STEPS if step.needs)
+#: the steps every ONNX folder goes through (the TensorRT target writes standard, float weights)
+ONNX_STEPS = tuple(step.name for step in ONNX_WRITE_STEPS if step.needs is None)
+
+
+def onnx_write_steps(attention: str, quantized: bool) -> tuple[WriteStep, ...]:
+    """The steps that run for an attention lowering ("fused" | "standard") and weights (quantized or not)."""
+    have = {None, *(["fused"] if attention == "fused" else []), *(["quantized"] if quantized else [])}
+    return tuple(step for step in ONNX_WRITE_STEPS if step.needs in have)

@@ -27,7 +27,7 @@ from ..config import ATTENTION_LOWERINGS, WeightQuantization
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
 from ..threshold import FIXED_MIN_PROMPT_TOKENS
-from .steps import FUSE_STEP, ONNX_STEPS, QUANTIZE_STEP
+from .steps import ONNX_STEPS, onnx_write_steps
 from .tensorrt import BUILD_STEPS, TrtBuildConfig
 
 VLLM_WRITE_STEP = "write vLLM folder"
@@ -63,9 +63,8 @@ class OnnxTarget:
 
     @property
     def steps(self) -> tuple[str, ...]:
-        optional = ((FUSE_STEP,) * (self.attention != "standard")
-                    + (QUANTIZE_STEP,) * (self.weights.bits is not None))
-        return (*ONNX_STEPS[:2], *optional, *ONNX_STEPS[2:])
+        attention = "standard" if self.attention == "standard" else "fused"  # auto: fused until resolved
+        return tuple(step.name for step in onnx_write_steps(attention, self.weights.bits is not None))
 
     def lowering(self, dtype: str) -> str:
         """fused or standard, for graphs of ``dtype``: the one place "auto" is decided."""
