@@ -278,7 +278,7 @@ class KVFitConfig:
                 and math.isfinite(self.ridge) and self.ridge >= 0):
             raise ConfigError(f"--ridge {self.ridge} must be a finite number >= 0 "
                               f"(default {KVFitConfig.ridge})")
-        if self.bias not in (None, True, False) or not isinstance(self.bias, (bool, type(None))):
+        if not isinstance(self.bias, (bool, type(None))):
             raise ConfigError(f"bias={self.bias!r} must be True (fit a bias for every projection), "
                               "False (only where the model's projection has one) or None (the method's "
                               "default)")
