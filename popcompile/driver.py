@@ -11,8 +11,12 @@ read and fill in); the progress bar and ``steps()`` read the names from that lis
     capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
     POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
     <the target's steps>  exporters.targets.TARGETS  ONNX (+ TensorRT plans), or a vLLM folder, written into
-                                                      a staged folder; each target names its own steps
-    measure ...           runtime.open_session        min_prompt_tokens measured on the new folder ("auto")
+                                                      a staged folder from ``Compiled`` (no config); each
+                                                      target names its own steps and returns the record
+    measure ...           runtime.open_session        min_prompt_tokens: as configured, or "auto" measured
+                                                      on the new folder (threshold.FIXED_MIN_PROMPT_TOKENS
+                                                      where the target has no popcompile runtime)
+    write manifest        record.write                the folder's record, written once
 
 A target with ``graphs = False`` (vllm: vLLM runs the model) skips capture and the POP pass. Everything that
 can be checked before the model loads is: the config (on construction), the target (``preflight``: a GPU for
@@ -36,7 +40,7 @@ from .config import PopConfig, resolve_cut
 from .engine.manifest import BOUNDARIES, EngineManifest
 from .errors import ConfigError
 from .exporters.checks import check_output_folder
-from .exporters.targets import Target, target_for
+from .exporters.targets import Compiled, Target, target_for
 from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
 from .fsutil import destination_lock, staged_folder
@@ -44,11 +48,13 @@ from .kvfit.calibrate import KVFit, read_fit
 from .kvfit.fit import DISTILL_STEP, kv_fit
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
+from .threshold import FIXED_MIN_PROMPT_TOKENS
 
 if TYPE_CHECKING:
     from .exporters.vllm import ServingFolder
 
 MEASURE_STEP = "measure min_prompt_tokens"
+WRITE_MANIFEST = "write manifest"
 
 
 @dataclass
@@ -70,6 +76,12 @@ class Compilation:
     pair: GraphPair | None = None         # POP pass: decode and prefill graphs
     folder: Path | None = None            # the staged folder the target writes into
     manifest: EngineManifest | ServingFolder | None = None  # the target's record, then with its threshold
+
+    def compiled(self) -> Compiled:
+        """What the target writes: every decision made, no config."""
+        provenance = {"kv_calibration": dataclasses.asdict(self.fit.info) if self.fit else None,
+                      "cut_choice": self.config.cut_choice and dict(self.config.cut_choice)}
+        return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance)
 
 
 @dataclass(frozen=True)
@@ -124,11 +136,15 @@ def _pop_pass(c: Compilation) -> None:
 
 
 def _write(c: Compilation) -> None:
-    c.manifest = c.target.write(c.folder, c.loaded, c.cut, c.pair, c.fit, c.config, c.report)
+    c.manifest = c.target.write(c.folder, c.compiled(), c.report)
 
 
 def _threshold(c: Compilation) -> None:
     c.manifest = with_min_prompt_tokens(c.folder, c.manifest, c.config, c.target, c.report)
+
+
+def _write_manifest(c: Compilation) -> None:
+    c.manifest.write(c.folder)
 
 
 def _graphs(config: PopConfig, target: Target) -> bool:
@@ -137,11 +153,6 @@ def _graphs(config: PopConfig, target: Target) -> bool:
 
 def _distills(config: PopConfig, target: Target) -> bool:
     return config.kv_calibration.mode == "distill"
-
-
-def _has_runtime(config: PopConfig, target: Target) -> bool:
-    """A folder some popcompile runtime opens: its min_prompt_tokens is recorded (measured when asked for)."""
-    return target.runtime is not None
 
 
 #: the compile, in order (module docstring). ``steps()`` and the progress bar read the names from here.
@@ -154,7 +165,8 @@ COMPILE_STEPS = (
     CompileStep("POP pass", _pop_pass, applies=_graphs),
     CompileStep("write", _write, staged=True, names=lambda target: target.steps),
     # measures min_prompt_tokens (reported as MEASURE_STEP) when asked for and the target has a runtime
-    CompileStep("threshold", _threshold, staged=True, applies=_has_runtime, names=lambda target: ()),
+    CompileStep("threshold", _threshold, staged=True, names=lambda target: ()),
+    CompileStep(WRITE_MANIFEST, _write_manifest, staged=True),
 )
 
 
@@ -192,8 +204,9 @@ def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:
     target = target_for(target).for_config(config)
     names = [name for step in COMPILE_STEPS if step.applies(config, target)
              for name in step.progress_names(target)]
-    measure = config.min_prompt_tokens == "auto" and target.runtime is not None
-    return [*names, *[MEASURE_STEP] * measure]
+    if config.min_prompt_tokens == "auto" and target.runtime is not None:
+        names.insert(names.index(WRITE_MANIFEST), MEASURE_STEP)
+    return names
 
 
 def build_graphs(
@@ -215,31 +228,32 @@ def check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:
                           f"give at most {limit}")
 
 
-def with_min_prompt_tokens(folder: Path, manifest: EngineManifest, config: PopConfig, target: Target,
-                           step: Callable[[str], None]) -> EngineManifest:
-    """The manifest with its threshold: as configured, or measured on ``folder`` with the target's runtime
-    (threshold.py's rule); written to ``folder``."""
+def with_min_prompt_tokens(folder: Path, manifest: EngineManifest | ServingFolder, config: PopConfig,
+                           target: Target, step: Callable[[str], None]) -> EngineManifest | ServingFolder:
+    """The folder's record with its threshold: as configured, or "auto": measured on ``folder`` (its record
+    not yet written) with the target's runtime (threshold.py's rule), FIXED_MIN_PROMPT_TOKENS where the
+    target has no popcompile runtime (vLLM: nothing is measured at export, which needs no vLLM)."""
     value, record = config.min_prompt_tokens, None
-    if value == "auto" and target.runtime == "onnxruntime" and manifest.dtype != "float32":
+    if value == "auto" and target.runtime is None:
+        value = FIXED_MIN_PROMPT_TOKENS
+    elif value == "auto" and target.runtime == "onnxruntime" and manifest.dtype != "float32":
         note = ("onnxruntime's CPU provider refuses float16 engines: POP for every prompt; "
                 "give --min-prompt-tokens N")
         warnings.warn(f"--min-prompt-tokens auto: {note}", stacklevel=3)
         value, record = 0, {"method": "not measured", "note": note}
     elif value == "auto":
         step(MEASURE_STEP)
-        value, record = measure_min_prompt_tokens(folder, target.runtime)
-    manifest = manifest.with_min_prompt_tokens(value, record)
-    manifest.write(folder)
-    return manifest
+        value, record = measure_min_prompt_tokens(folder, target.runtime, manifest)
+    return manifest.with_min_prompt_tokens(value, record)
 
 
-def measure_min_prompt_tokens(folder: Path, runtime: str) -> tuple[int, dict]:
+def measure_min_prompt_tokens(folder: Path, runtime: str, manifest: EngineManifest) -> tuple[int, dict]:
     from .engine.verify import HashCache
     from .runtime import open_session
     from .runtime.compare import measured_min_prompt_tokens
 
     label = "onnxruntime-cpu" if runtime == "onnxruntime" else runtime
-    session = open_session(folder, runtime=runtime, hash_cache=HashCache(None))
+    session = open_session(folder, runtime=runtime, hash_cache=HashCache(None), manifest=manifest)
     value, record = measured_min_prompt_tokens(session, label)
     if "note" in record:
         warnings.warn(f"--min-prompt-tokens auto: {record['note']}", stacklevel=4)

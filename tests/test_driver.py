@@ -141,12 +141,12 @@ def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_
     manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
     assert seen == steps(config) == ["load", "calibrate", "capture", "POP pass", "export decode graph",
                                      "export prefill graph", "fuse attention for onnxruntime",
-                                     "write engine folder"]
+                                     "write engine folder", "write manifest"]
     on_disk = EngineManifest.read(tmp_path / "engine")
     assert on_disk == manifest and manifest.cut == 4 and manifest.kv_layout.max_seq == 64
     assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}
     assert manifest.extra["kv_calibration"]["cut"] == 4
-    assert steps(PopConfig(), "tensorrt")[-1] == "measure min_prompt_tokens"
+    assert steps(PopConfig(), "tensorrt")[-2:] == ["measure min_prompt_tokens", "write manifest"]
 
 
 def test_the_vllm_target_writes_no_graphs_and_measures_nothing(tiny_folder, tmp_path, fit_file):
@@ -157,7 +157,7 @@ def test_the_vllm_target_writes_no_graphs_and_measures_nothing(tiny_folder, tmp_
     seen: list[str] = []
     folder = compile(loaded, PopConfig(cut=4, kv_calibration=fit_file, dtype="float16"),
                      out=tmp_path / "served", target="vllm", progress=seen.append)
-    assert seen == steps(PopConfig(), "vllm") == ["load", "calibrate", "write vLLM folder"]
+    assert seen == steps(PopConfig(), "vllm") == ["load", "calibrate", "write vLLM folder", "write manifest"]
     assert (folder.cut, folder.dtype, folder.kv_weights) == (4, "float16", "pop_kv.safetensors")
     assert sorted(p.name for p in (tmp_path / "served").iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "pop_kv.safetensors", "tokenizer.json",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,9 +131,19 @@ def test_auto_threshold_follows_the_measured_curve(engine, curve, expected, note
     assert ("note" in record) == noted and record["min_speedup"] == 1.2 and record["runtime"] == "fake"
 
 
-def test_export_auto_records_the_measured_threshold(tmp_path):
+def test_export_auto_records_the_measured_threshold(tmp_path, monkeypatch):
+    """The threshold is measured on the staged folder before its manifest exists: the manifest is written
+    once, with the threshold in it."""
+    writes, write = [], EngineManifest.write
+
+    def counted(self, folder):
+        writes.append((self.min_prompt_tokens, (Path(folder) / MANIFEST).exists()))
+        write(self, folder)
+
+    monkeypatch.setattr(EngineManifest, "write", counted)
     auto = tiny_engine("llama", tmp_path / "auto", cut=3, max_seq=64, min_prompt_tokens="auto")
     manifest = EngineManifest.read(auto)
+    assert writes == [(manifest.min_prompt_tokens, False)]
     record = manifest.extra["min_prompt_tokens"]
     assert record["method"] == "measured" and record["runtime"] == "onnxruntime-cpu"
     assert "measured with onnxruntime-cpu, bar 1.2x" in summary(auto, manifest)  # popcompile info says how

@@ -6,9 +6,10 @@
       weights.bin               each distinct tensor once: the graphs share it
       tokenizer.json, tokenizer_config.json, generation_config.json, config.json (the HF config)
 
-A writer only: ``write_engine`` fills the staged folder the driver (driver.py) hands it, from the
-graph pair and the POP+ fit the driver made; staging, locking, the threshold and the rename are the
-driver's.
+A writer only: ``write_engine`` fills the staged folder the driver (driver.py) hands it from what the
+compile made (targets.Compiled: the graph pair, the model's tokenizer and configs, the provenance) and
+returns the folder's manifest; staging, locking, the threshold, writing the manifest (once) and the
+rename are the driver's.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import io
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,6 @@ import torch
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
 from ..frontend.models import LoadedModel
-from ..kvfit.calibrate import KVFit
 from ..passes.prefill import GraphPair
 from .ort_passes import ORT_PASSES, OrtContext
 from .quantize import quantize_weights
@@ -85,21 +85,20 @@ _RUN = {"export decode graph": _export_decode, "export prefill graph": _export_p
         FUSE_STEP: _fuse, QUANTIZE_STEP: _quantize, "write engine folder": _write_folder}
 
 
-def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, fit: KVFit | None, cut_choice: dict | None,
+def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: dict,
                  step: Callable[[str], None], quantization: WeightQuantization,
                  attention: str) -> EngineManifest:
-    """Both graphs, the shared weights, the tokenizer and HF config files and the manifest, into ``tmp``,
-    through steps.ONNX_WRITE_STEPS (each reported to ``step``). ``attention`` as the target resolved it
-    (OnnxTarget.lowering): fused, norms and attention as onnxruntime's contrib ops (exporters/ort_passes.py),
-    or standard."""
+    """Both graphs, the shared weights, the tokenizer and HF config files into ``tmp``, through
+    steps.ONNX_WRITE_STEPS (each reported to ``step``); returns their manifest (not written: the driver
+    writes it once). ``attention`` as the target resolved it (OnnxTarget.lowering): fused, norms and
+    attention as onnxruntime's contrib ops (exporters/ort_passes.py), or standard. ``provenance``: the
+    manifest's ``extra`` (how the K/V weights and the cut were chosen)."""
     writing = _Writing(tmp, loaded, pair, quantization)
     for write_step in onnx_write_steps(attention, quantization.bits is not None):
         step(write_step.name)
         _RUN[write_step.name](writing)
-    manifest = replace(_manifest(tmp, loaded, pair, writing.weights_bytes, fit, cut_choice),
-                       quantization=quantization.to_manifest(), attention=writing.attention)
-    manifest.write(tmp)
-    return manifest
+    return replace(_manifest(tmp, loaded, pair, writing.weights_bytes, provenance),
+                   quantization=quantization.to_manifest(), attention=writing.attention)
 
 
 def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
@@ -169,7 +168,7 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
 
 
 def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,
-              fit: KVFit | None, cut_choice: dict | None) -> EngineManifest:
+              provenance: dict) -> EngineManifest:
     graphs = {}
     for name in ("prefill", "decode"):
         path = folder / f"{name}.onnx"
@@ -187,7 +186,7 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
         weights={"file": WEIGHTS, "bytes": weights_bytes, "sha256": sha256_file(folder / WEIGHTS)},
         dtype=pair.layout.dtype,
         versions=_versions(),
-        extra={"kv_calibration": asdict(fit.info) if fit else None, "cut_choice": cut_choice},
+        extra=dict(provenance),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         boundary=pair.boundary,
     )

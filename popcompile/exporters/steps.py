@@ -5,7 +5,8 @@
     export prefill graph            the POP prefill program -> ONNX
     fuse attention for onnxruntime  attention lowered "fused" only: ort_passes.ORT_PASSES over both graphs
     quantize weights                int8/int4 weights only: after fusing, so packed projections quantise whole
-    write engine folder             both graphs over one weights file, tokenizer and configs, the manifest
+    write engine folder             both graphs over one weights file, tokenizer and configs (the driver
+                                    writes the manifest, once)
 """
 from __future__ import annotations
 

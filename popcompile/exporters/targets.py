@@ -11,11 +11,13 @@
                 plugin in popcompile.vllm_plugin; no graphs (vLLM runs the model), no manifest
 
 A target is a frozen dataclass holding its own build options. The driver calls, in order:
-``preflight()`` (before the model loads: fail in a second, not after minutes), ``write(folder, ...)``
-(into the staged folder, returning its manifest) and names ``runtime`` to measure
-``min_prompt_tokens`` with (None: the folder has no popcompile runtime). ``graphs``: whether the driver
-captures the model and runs the POP pass for it. Heavy imports (torch, onnx, tensorrt) happen inside
-``write``.
+``preflight(config)`` (before the model loads: fail in a second, not after minutes), ``for_config(config)``
+(what depends on the config, resolved once), ``write(folder, compiled, step)`` (into the staged folder,
+returning the folder's record: an EngineManifest, or a ServingFolder; the driver sets its threshold and
+writes it, once) and names ``runtime`` to measure ``min_prompt_tokens`` with (None: the folder has no
+popcompile runtime). ``write`` sees no config: only ``Compiled``, what the compile decided and made.
+``graphs``: whether the driver captures the model and runs the POP pass for it. Heavy imports (torch,
+onnx, tensorrt) happen inside ``write``.
 """
 from __future__ import annotations
 
@@ -26,9 +28,8 @@ from typing import TYPE_CHECKING, Callable, Union
 from ..config import ATTENTION_LOWERINGS, WeightQuantization
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
-from ..threshold import FIXED_MIN_PROMPT_TOKENS
 from .steps import ONNX_STEPS, onnx_write_steps
-from .tensorrt import BUILD_STEPS, TrtBuildConfig
+from .tensorrt import PLAN_STEPS, TrtBuildConfig
 
 VLLM_WRITE_STEP = "write vLLM folder"
 
@@ -40,6 +41,22 @@ if TYPE_CHECKING:
     from .vllm import ServingFolder
 
 Step = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What a compile hands its target to write, every decision made (the target reads no config).
+
+    ``loaded``: the model in the engine's dtype (its tokenizer and configs go into every folder; the vllm
+    target saves its weights); ``cut``: the first pruned layer; ``pair``: the decode and prefill graphs
+    (None for a target with ``graphs = False``); ``fit``: POP+ weights (None: the pruned layers' own
+    projections); ``provenance``: how the K/V weights and the cut were chosen (the manifest's ``extra``)."""
+
+    loaded: LoadedModel
+    cut: int
+    pair: GraphPair | None
+    fit: KVFit | None
+    provenance: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,13 +106,11 @@ class OnnxTarget:
                               "weights are quantised from float32 graphs: drop --dtype (float32 is the "
                               "default)")
 
-    def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
-              config: PopConfig, step: Step) -> EngineManifest:
+    def write(self, folder: Path, compiled: Compiled, step: Step) -> EngineManifest:
         from .onnx import write_engine
 
-        cut_choice = config.cut_choice and dict(config.cut_choice)
-        return write_engine(folder, loaded, pair, fit, cut_choice, step, self.weights,
-                            self.lowering(pair.layout.dtype))
+        return write_engine(folder, compiled.loaded, compiled.pair, compiled.provenance, step, self.weights,
+                            self.lowering(compiled.pair.layout.dtype))
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,7 @@ class TensorRTTarget:
     build: TrtBuildConfig = field(default_factory=TrtBuildConfig)
     name = "tensorrt"
     runtime = "tensorrt"
-    steps = ONNX_STEPS + BUILD_STEPS
+    steps = ONNX_STEPS + PLAN_STEPS
     graphs = True
 
     def for_config(self, config: PopConfig) -> TensorRTTarget:
@@ -116,13 +131,11 @@ class TensorRTTarget:
 
         require_gpu()  # TensorRTUnavailable naming what is missing, before the long ONNX export
 
-    def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: GraphPair, fit: KVFit | None,
-              config: PopConfig, step: Step) -> EngineManifest:
-        from .tensorrt import build_engines
+    def write(self, folder: Path, compiled: Compiled, step: Step) -> EngineManifest:
+        from .tensorrt import plan_engines
 
-        OnnxTarget(attention="standard").write(folder, loaded, cut, pair, fit, config, step)
-        build_engines(folder, self.build, progress=step, force=True)
-        return EngineManifest.read(folder)
+        manifest = OnnxTarget(attention="standard").write(folder, compiled, step)
+        return plan_engines(folder, manifest, self.build, step, force=True)
 
 
 @dataclass(frozen=True)
@@ -149,16 +162,11 @@ class VllmTarget:
                               "buffers; vLLM pages its own: give vLLM max_model_len instead, for --target "
                               "vllm")
 
-    def write(self, folder: Path, loaded: LoadedModel, cut: int, pair: None, fit: KVFit | None,
-              config: PopConfig, step: Step) -> ServingFolder:
-        """``config.min_prompt_tokens`` "auto": threshold.FIXED_MIN_PROMPT_TOKENS (nothing is measured in vLLM
-        at export: writing the folder needs no vLLM)."""
+    def write(self, folder: Path, compiled: Compiled, step: Step) -> ServingFolder:
         from .vllm import write_folder
 
         step(VLLM_WRITE_STEP)
-        threshold = config.min_prompt_tokens
-        return write_folder(folder, loaded, cut, fit,
-                            FIXED_MIN_PROMPT_TOKENS if threshold == "auto" else threshold)
+        return write_folder(folder, compiled.loaded, compiled.cut, compiled.fit)
 
 
 Target = Union[OnnxTarget, TensorRTTarget, VllmTarget]

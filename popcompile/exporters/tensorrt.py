@@ -58,8 +58,10 @@ from ..fsutil import atomic_write, destination_lock
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 TIMING_CACHE = "timing.cache"
-#: the progress steps build_engines reports, in order
-BUILD_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan", "write manifest")
+#: the progress steps plan_engines reports, in order; build_engines (``build-trt``) then writes the manifest
+PLAN_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan")
+WRITE_MANIFEST = "write manifest"
+BUILD_STEPS = (*PLAN_STEPS, WRITE_MANIFEST)
 
 
 @dataclass(frozen=True)
@@ -152,15 +154,25 @@ def build_engines(folder: str | Path, config: TrtBuildConfig | None = None, *,
     Raises EngineError for a folder TensorRT cannot take, TensorRTUnavailable (a ValueError) without an
     NVIDIA GPU or the ``tensorrt`` package."""
     config = config or TrtBuildConfig()
-    folder = Path(folder)
+    folder, step = Path(folder), progress or (lambda name: None)
     with destination_lock(folder, "engine folder"):  # no export --force may swap the folder out meanwhile
-        return _build_engines(folder, config, progress or (lambda name: None), force)
+        step(BUILD_STEPS[0])
+        manifest = EngineManifest.read(folder)
+        built = plan_engines(folder, manifest, config, step, force=force, checked=True)
+        if built is not manifest:
+            step(WRITE_MANIFEST)
+            built.write(folder)  # atomic: the old manifest or the new one
+        return TrtSection.from_manifest(built, folder)
 
 
-def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], None],
-                   force: bool) -> TrtSection:
-    step("check graphs")
-    manifest = EngineManifest.read(folder)
+def plan_engines(folder: Path, manifest: EngineManifest, config: TrtBuildConfig, step: Callable[[str], None],
+                 *, force: bool = False, checked: bool = False) -> EngineManifest:
+    """``manifest`` (the folder's, written or not) with the plans built into ``folder`` and recorded in its
+    ``tensorrt`` section; ``manifest`` itself when its plans are up to date. Writes no manifest: the caller
+    owns that (build_engines; the export driver writes its folder's once). ``checked``: the caller has
+    reported the first of PLAN_STEPS."""
+    if not checked:
+        step(PLAN_STEPS[0])
     onnx_sha = _check_graphs(folder, manifest)
     static = not has_sliding_window(folder)
     plan = profiles(manifest.kv_layout, config, static_decode=static)
@@ -173,17 +185,15 @@ def _build_engines(folder: Path, config: TrtBuildConfig, step: Callable[[str], N
               "profiles": {k: [p.to_dict() for p in v] for k, v in plan.items()}}
     current = _current(manifest, folder)
     if not force and current and _up_to_date(current, folder, onnx_sha, wanted, trt.__version__, capability):
-        return current
+        return manifest
     cache_path = _cache_path(folder, config)
     plans, seconds = _build_plans(trt, folder, manifest, plan, config, cache_path, step)
-    step("write manifest")
     section = TrtSection(
         tensorrt_version=trt.__version__, gpu=gpu, compute_capability=capability, precision=config.precision,
         workspace_gb=float(config.workspace_gb), max_batch=config.max_batch, sentinel_rows=SENTINEL_ROWS,
         decode_kv="static" if static else "gather", plans=plans, profiles=wanted["profiles"],
         onnx_sha256=onnx_sha, timing_cache=str(cache_path), build_seconds=seconds)
-    replace(manifest, tensorrt=asdict(section)).write(folder)  # atomic: the old manifest or the new one
-    return section
+    return replace(manifest, tensorrt=asdict(section))
 
 
 def _check_graphs(folder: Path, manifest: EngineManifest) -> dict[str, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,8 @@ INDEX = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class ServingFolder:
-    """What ``export --target vllm`` wrote (printed by the CLI; nothing reads it back but vLLM's config)."""
+    """What ``export --target vllm`` wrote (printed by the CLI): the folder's record, as the engine manifest
+    is the ONNX folder's. ``write`` puts it into config.json, where vLLM and the plugin read it."""
 
     model: str
     architecture: str
@@ -48,12 +49,30 @@ class ServingFolder:
     cut: int
     kv_weights: str | None
     dtype: str
-    min_prompt_tokens: int  # shorter prompts run the full model (the plugin's runner.py)
+    min_prompt_tokens: int | None = None  # shorter prompts run the full model (the plugin's runner.py);
+    #                                        None until the driver's threshold step sets it
     vllm_version: str = VLLM_VERSION
     target: str = "vllm"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def with_min_prompt_tokens(self, value: int, record: dict | None = None) -> ServingFolder:
+        """This record with the threshold ``value`` (``record``, how it was chosen, has no place in
+        config.json: the fixed default is the only rule for vLLM folders)."""
+        return replace(self, min_prompt_tokens=value)
+
+    def write(self, folder: Path) -> None:
+        """config.json names the POP class and holds the plugin's settings (PopSettings)."""
+        settings = PopSettings(cut=self.cut, num_layers=self.num_layers, kv_weights=self.kv_weights,
+                               min_prompt_tokens=self.min_prompt_tokens)
+        path = Path(folder) / "config.json"
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data["architectures"] = [self.architecture]
+        version = importlib.metadata.version("popcompile")
+        data[CONFIG_KEY] = {**settings.to_json(), "popcompile_version": version}
+        atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        _readable_as_umask_allows(folder)
 
     def summary(self, folder: Path) -> str:
         pruned = (f"layers {self.cut}..{self.num_layers - 1} pruned in prefill" if self.cut < self.num_layers
@@ -76,27 +95,20 @@ def pop_architecture(loaded: LoadedModel) -> str:
                                 f"{', '.join(BASE_TO_POP)}): export it with --target onnx")
 
 
-def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None,
-                 min_prompt_tokens: int) -> ServingFolder:
+def write_folder(tmp: Path, loaded: LoadedModel, cut: int, fit: KVFit | None) -> ServingFolder:
+    """The model's weights, tokenizer and configs (and POP+ weights) into ``tmp``; returns the folder's
+    record, not yet in config.json (ServingFolder.write, by the driver once the threshold is set)."""
     architecture = pop_architecture(loaded)
-    config = loaded.model.config
-    settings = PopSettings(cut=cut, num_layers=config.num_hidden_layers, kv_weights=fit and KV_WEIGHTS_FILE,
-                           min_prompt_tokens=min_prompt_tokens)
     loaded.model.save_pretrained(tmp)
     loaded.tokenizer.save_pretrained(tmp)
     if fit is not None:
         tensors = kv_tensors(fit, dtype=next(loaded.model.parameters()).dtype)
         save_file(tensors, str(tmp / KV_WEIGHTS_FILE), metadata={"format": "pt"})
         _add_to_index(tmp, tensors)
-    data = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
-    data["architectures"] = [architecture]
-    data[CONFIG_KEY] = {**settings.to_json(), "popcompile_version": importlib.metadata.version("popcompile")}
-    atomic_write(tmp / "config.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
-    _readable_as_umask_allows(tmp)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-    return ServingFolder(model=loaded.source.name, architecture=architecture, num_layers=settings.num_layers,
-                         cut=cut, kv_weights=settings.kv_weights, dtype=dtype,
-                         min_prompt_tokens=min_prompt_tokens)
+    return ServingFolder(model=loaded.source.name, architecture=architecture,
+                         num_layers=loaded.model.config.num_hidden_layers, cut=cut,
+                         kv_weights=fit and KV_WEIGHTS_FILE, dtype=dtype)
 
 
 def _readable_as_umask_allows(folder: Path) -> None:

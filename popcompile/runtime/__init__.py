@@ -34,8 +34,8 @@ def open_session(folder: str | Path, runtime: str = "onnxruntime", **options):
     """A session over the engine folder ``folder`` with the runtime registered as ``runtime``.
 
     ``options`` are the session's keyword arguments (onnxruntime: provider, threads, io_binding,
-    min_prompt_tokens, hash_cache; tensorrt: device, kv_binding, cuda_graph, min_prompt_tokens,
-    hash_cache); one it does not take is a ConfigError naming those it does."""
+    min_prompt_tokens, hash_cache, manifest; tensorrt: device, kv_binding, cuda_graph, min_prompt_tokens,
+    hash_cache, manifest); one it does not take is a ConfigError naming those it does."""
     cls = session_class(runtime)
     accepted = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(accepted))

@@ -169,9 +169,10 @@ class OrtSession(Session):
 
     def __init__(self, folder: str | Path, *, provider: str = "cpu", threads: int | None = None,
                  io_binding: bool = True, min_prompt_tokens: int | None = None,
-                 hash_cache: HashCache | None = None):
+                 hash_cache: HashCache | None = None, manifest: EngineManifest | None = None):
         # min_prompt_tokens: shorter prompts prefill in full; None: the manifest's, 0: always POP
-        self._read_manifest(folder, min_prompt_tokens)
+        # manifest: None reads the folder's (Session._read_manifest)
+        self._read_manifest(folder, min_prompt_tokens, manifest)
         providers = provider_list(provider)
         check_precision(self.manifest, provider)
         options = session_options(threads)

@@ -54,10 +54,13 @@ class Session:
     _live: Generation | None = None   # the prefill/step sequence in progress
     _history: History | None = None   # what the buffer holds of a chat (chat.py)
 
-    def _read_manifest(self, folder: str | Path, min_prompt_tokens: int | None = None) -> None:
-        """Setup, step 1: read and check the folder's manifest; ``min_prompt_tokens`` is the caller's
-        override (checked: an integer >= 0) or, None, the manifest's."""
-        self.manifest = EngineManifest.read(folder)
+    def _read_manifest(self, folder: str | Path, min_prompt_tokens: int | None = None,
+                       manifest: EngineManifest | None = None) -> None:
+        """Setup, step 1: read and check the folder's manifest, or take ``manifest``, the record of a folder
+        being written (the export driver measures its threshold before writing it once);
+        ``min_prompt_tokens`` is the caller's override (checked: an integer >= 0) or, None, the
+        manifest's."""
+        self.manifest = EngineManifest.read(folder) if manifest is None else manifest
         self.folder = Path(folder)
         self.layout = self.manifest.kv_layout
         self.min_prompt_tokens = threshold(min_prompt_tokens, self.manifest.min_prompt_tokens)

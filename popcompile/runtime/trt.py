@@ -37,7 +37,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from ..engine.manifest import is_file_name
+from ..engine.manifest import EngineManifest, is_file_name
 from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_section, is_count, require_gpu
 from ..engine.verify import HashCache, verify_file
 from ..errors import ConfigError, EngineError, InputError
@@ -126,8 +126,8 @@ class TrtSession(Session):
 
     def __init__(self, folder: str | Path, *, device: int = 0, kv_binding: str = "auto",
                  cuda_graph: bool = False, min_prompt_tokens: int | None = None,
-                 hash_cache: HashCache | None = None):
-        self._read_manifest(folder, min_prompt_tokens)
+                 hash_cache: HashCache | None = None, manifest: EngineManifest | None = None):
+        self._read_manifest(folder, min_prompt_tokens, manifest)  # manifest: None reads the folder's
         section = TrtSection.from_manifest(self.manifest, self.folder)
         check_section(self.folder, section)
         plans = verify_plans(self.folder, section, hash_cache or HashCache.default())
