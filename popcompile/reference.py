@@ -9,6 +9,11 @@ the reference shares no code with the graph pass.
     boundary x_N            full model -> first generated token
     decode   x_{N+1}...     full model
 
+A vision-language model (frontend/vision.py) runs the same stages over its text decoder: the prompt's
+embeddings, M-RoPE positions and deepstack features are computed once by the model's own modules
+(``VisionFeed``), image tokens are pruned like any other prompt token, and decode tokens sit at
+``cache row + rope_delta``. Its cut must keep the deepstack layers (vision.check_cut).
+
 Ablations (``Variant``): ``boundary=False`` prunes x_N too; ``kv_projection=False`` hides the
 pruned positions from the deep layers' attention (they leave no cache); ``shortgpt=True`` removes
 the deep layers in every stage. ``weights`` (``"module path.param" -> tensor``) replaces parameters in
@@ -25,6 +30,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .frontend.capture import cache_keyword, use_attention
+from .frontend.vision import ImageInputs, VisionPrompt, check_cut, encode_prompt, vision_spec
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,70 @@ def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch
                  **{cache_keyword(model): cache}).logits
 
 
+class TextFeed:
+    """A text decoder's forwards: ids [B, T] at positions ``start..start+T-1``; logits [B, T, V]."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def prompt(self, prompt: torch.Tensor, lo: int, hi: int, cache: DynamicCache) -> torch.Tensor:
+        """Prompt rows ``lo..hi-1`` after ``lo`` cached rows."""
+        return _forward(self.model, prompt[:, lo:hi], cache, lo)
+
+    def tokens(self, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+        return _forward(self.model, ids, cache, start)
+
+
+class VisionFeed:
+    """A vision-language model's forwards over one encoded prompt (frontend/vision.VisionPrompt): prompt rows
+    take its embeddings, M-RoPE positions and deepstack features; later tokens are text at
+    ``row + rope_delta`` on all three M-RoPE rows. The text decoder runs with explicit positions
+    [4, B, T] (row 0: the cache rows, which the causal mask reads; rows 1-3: M-RoPE), the model's
+    ``lm_head`` after it."""
+
+    def __init__(self, model: torch.nn.Module, encoded: VisionPrompt):
+        spec = vision_spec(model.config)
+        self.model, self.encoded = model, encoded
+        self.text = model.get_submodule(spec.text)
+
+    def prompt(self, prompt: torch.Tensor, lo: int, hi: int, cache: DynamicCache) -> torch.Tensor:
+        e = self.encoded
+        visual = e.visual_mask[:, lo:hi]
+        deepstack = [_at_positions(f, e.visual_mask)[:, lo:hi][visual] for f in e.deepstack] \
+            if visual.any() else None
+        return self._run(e.embeds[:, lo:hi], e.positions[:, :, lo:hi], cache, lo, visual, deepstack)
+
+    def tokens(self, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+        rows = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+        positions = (rows + self.encoded.rope_delta).expand(3, -1, -1)  # [3, B, T]
+        return self._run(self.text.get_input_embeddings()(ids), positions, cache, start)
+
+    def _run(self, embeds, positions, cache, start, visual=None, deepstack=None) -> torch.Tensor:
+        rows = torch.arange(start, start + embeds.shape[1]).expand(1, embeds.shape[0], -1)
+        hidden = self.text(inputs_embeds=embeds, position_ids=torch.cat([rows, positions]), use_cache=True,
+                           visual_pos_masks=visual, deepstack_visual_embeds=deepstack,
+                           **{cache_keyword(self.text): cache}).last_hidden_state
+        return self.model.get_output_embeddings()(hidden)
+
+
+def _at_positions(features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Features [V, d] of the mask's True positions (row-major, as boolean indexing reads them) placed at
+    those positions of a [B, N, d] tensor (zeros elsewhere)."""
+    placed = features.new_zeros(*mask.shape, features.shape[-1])
+    placed[mask] = features
+    return placed
+
+
+def feed_for(model: torch.nn.Module, prompt: torch.Tensor, images: ImageInputs | None = None):
+    """The forwards one prompt runs with: TextFeed for a text decoder, VisionFeed (the prompt encoded with
+    its images, or none) for a vision-language model. ValueError for images given to a text model."""
+    if vision_spec(model.config) is None:
+        if images is not None:
+            raise ValueError(f"{model.config.model_type} is a text model: it takes no images")
+        return TextFeed(model)
+    return VisionFeed(model, encode_prompt(model, prompt, images))
+
+
 @torch.no_grad()
 def prefill_cache(model: torch.nn.Module, ids: torch.Tensor, cut: int, kv_weights=None) -> DynamicCache:
     """The cache POP's prefill graph fills for ``ids`` [B, T] (every row pruned, no boundary step)."""
@@ -136,8 +206,10 @@ def prefill_cache(model: torch.nn.Module, ids: torch.Tensor, cut: int, kv_weight
 class PopRun:
     """The stages of one POP variant over one prompt, as context managers and forwards."""
 
-    def __init__(self, model: torch.nn.Module, variant: Variant, prompt_len: int):
+    def __init__(self, model: torch.nn.Module, variant: Variant, prompt_len: int, feed=None):
+        check_cut(model.config, variant.cut)
         self.model, self.variant = model, variant
+        self.feed = feed or TextFeed(model)
         self.pruned_rows = prompt_len if not variant.boundary else prompt_len - 1
         self.cache = DynamicCache()
 
@@ -155,17 +227,17 @@ class PopRun:
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """Prompt [B, N] -> logits [B, V] predicting the first new token."""
-        rows = self.pruned_rows
+        rows, length = self.pruned_rows, prompt.shape[1]
         with self.stage(pruned=True):
-            logits = _forward(self.model, prompt[:, :rows], self.cache, 0) if rows else None
-        if rows == prompt.shape[1]:
+            logits = self.feed.prompt(prompt, 0, rows, self.cache) if rows else None
+        if rows == length:
             return logits[:, -1]
         with self.stage(pruned=False):
-            return _forward(self.model, prompt[:, rows:], self.cache, rows)[:, -1]
+            return self.feed.prompt(prompt, rows, length, self.cache)[:, -1]
 
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         with self.stage(pruned=False):
-            return _forward(self.model, ids, self.cache, start)
+            return self.feed.tokens(ids, self.cache, start)
 
     def extend(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """A chat's next turn: the cache cut back to its first ``start`` rows, then ``ids`` [B, M] prefilled
@@ -178,11 +250,11 @@ class PopRun:
         logits = None
         if rows:
             with self.stage(pruned=True):
-                logits = _forward(self.model, ids[:, :rows], self.cache, start)
+                logits = self.feed.tokens(ids[:, :rows], self.cache, start)
         if rows == ids.shape[1]:
             return logits[:, -1]
         with self.stage(pruned=False):
-            return _forward(self.model, ids[:, rows:], self.cache, start + rows)[:, -1]
+            return self.feed.tokens(ids[:, rows:], self.cache, start + rows)[:, -1]
 
 
 def attention_for(model, variant: Variant) -> contextlib.AbstractContextManager:
@@ -193,13 +265,14 @@ def attention_for(model, variant: Variant) -> contextlib.AbstractContextManager:
 @torch.no_grad()
 def generate(
     model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, variant: Variant,
-    eos_token_id: int | None = None,
+    eos_token_id: int | None = None, images: ImageInputs | None = None,
 ) -> list[int]:
-    """Greedy generation of one prompt [1, N] under a POP variant; returns the new token ids."""
+    """Greedy generation of one prompt [1, N] under a POP variant; returns the new token ids. ``images``: a
+    vision-language model's preprocessed images (their placeholders expanded in ``prompt``)."""
     if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] < 2:
         raise ValueError(f"prompt must have shape [1, N] with N >= 2, got {tuple(prompt.shape)}")
     with attention_for(model, variant):
-        run = PopRun(model, variant, prompt.shape[1])
+        run = PopRun(model, variant, prompt.shape[1], feed_for(model, prompt, images))
         return greedy(run, run.prefill(prompt), prompt.shape[1], max_new_tokens, eos_token_id)
 
 
@@ -220,11 +293,13 @@ def greedy(run: PopRun, logits: torch.Tensor, position: int, max_new_tokens: int
 @torch.no_grad()
 def continuation_logits(
     model: torch.nn.Module, prefix: torch.Tensor, continuation: torch.Tensor, variant: Variant,
+    images: ImageInputs | None = None,
 ) -> torch.Tensor:
     """Teacher-forced: logits [B, C, V] predicting each token of ``continuation`` [B, C] after
-    ``prefix`` [B, N] was prefilled under ``variant`` (the continuation runs as decode steps)."""
+    ``prefix`` [B, N] (with ``images``, for a vision-language model) was prefilled under ``variant`` (the
+    continuation runs as decode steps)."""
     with attention_for(model, variant):
-        run = PopRun(model, variant, prefix.shape[1])
+        run = PopRun(model, variant, prefix.shape[1], feed_for(model, prefix, images))
         first = run.prefill(prefix)[:, None]
         if continuation.shape[1] == 1:
             return first

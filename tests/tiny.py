@@ -39,6 +39,55 @@ def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, s
     return model
 
 
+#: Qwen3-VL's special ids inside the tiny vocabulary (the real model's sit above its text vocabulary too)
+VL_IDS = {"image_token_id": 150, "video_token_id": 151, "vision_start_token_id": 152,
+          "vision_end_token_id": 153}
+
+
+def tiny_vlm(*, layers=6, deepstack=(0, 1), seed=0, **text_overrides):
+    """A tiny random Qwen3-VL (DESIGN.md's shapes): text width 64, head_dim 16 with M-RoPE sections
+    [4, 2, 2]; a 2-layer vision tower of width 32, patch 4, merge 2, ``deepstack`` vision layers feeding
+    decoder layers 0..len-1. Weights drawn wide enough that greedy tokens vary (the default init's tiny
+    model repeats one token)."""
+    text = dict(vocab_size=160, num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True}, **text_overrides)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                  deepstack_visual_indexes=list(deepstack))
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                        **VL_IDS)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.15 if p.dim() > 1 else 1.0 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def tiny_images(model, sizes, seed=0):
+    """Random preprocessed images of ``sizes`` [(h, w) in pixels, multiples of patch x merge]:
+    (pixel_values [P, C*T*p*p], image_grid_thw [I, 3]) as the Qwen-VL processor lays them out."""
+    vc = model.config.vision_config
+    grids = torch.tensor([[1, h // vc.patch_size, w // vc.patch_size] for h, w in sizes])
+    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(int(grids.prod(-1).sum()), width, generator=generator), grids
+
+
+def vl_prompt(model, grids, text=(5, 6, 7), question=(8, 9, 10, 11)):
+    """Prompt ids [1, N]: ``text``, then each image as vision_start, its placeholders, vision_end, then
+    ``question``."""
+    merge = model.config.vision_config.spatial_merge_size
+    ids = list(text)
+    for grid in grids.tolist():
+        ids += [VL_IDS["vision_start_token_id"], *[VL_IDS["image_token_id"]] * (grid[0] * grid[1] * grid[2]
+                                                                                // merge ** 2),
+                VL_IDS["vision_end_token_id"]]
+    return torch.tensor([ids + list(question)])
+
+
 def empty_past(layout, batch=1):
     return [torch.zeros(batch, layout.num_kv_heads, 0, layout.head_dim) for _ in range(2 * layout.num_layers)]
 

@@ -33,12 +33,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen2", mask_mapping=True),
         ArchSpec("qwen3", mask_mapping=True, k_norm="self_attn.k_norm"),
         ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm", branch_output_norms=True),
+        # Qwen3-VL's text decoder (frontend/vision.py: the model around it)
+        ArchSpec("qwen3_vl_text", mask_mapping=False, k_norm="self_attn.k_norm"),
     )
 }
 
 
 def arch_spec(config) -> ArchSpec:
-    """The table entry for a HF config, or a ValueError naming the model type and what is supported."""
+    """The table entry for a HF config (a vision-language model's: its text decoder's), or a ValueError
+    naming the model type and what is supported."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(

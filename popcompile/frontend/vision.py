@@ -1,0 +1,127 @@
+"""Vision-language models: what differs from a text decoder; a multimodal prompt as the text decoder sees it.
+
+A VLM here is a vision tower in front of a text decoder that POP prunes like any other (image tokens are
+prompt tokens). Its prompt reaches the decoder as four things, computed once by ``encode_prompt``:
+
+    input_ids       [B, N]     text ids; each image is a run of ``image_token_id`` placeholders
+    embeds          [B, N, d]  token embeddings, the vision tower's merged features scattered over the runs
+    positions       [3, B, N]  M-RoPE rows (time, height, width): text advances all three by one, an image's
+                               tokens take their grid coordinates, and text after it resumes at max(h', w')
+    rope_delta      [B, 1]     positions[:, :, -1] + 1 - N: decode token t (cache row t) sits at t + delta
+    visual_mask     [B, N]     where the image features went
+    deepstack       k x [V, d] features of k vision layers, added to the hidden state at the image tokens
+                               after decoder layers 0..k-1 (DeepStack): a POP cut must be >= k
+
+The table ``VISION_LANGUAGE`` names, per model type, where the parts live and what the config calls them;
+everything else reads the Hugging Face model's own modules (its vision tower, its ``get_rope_index``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class VisionLanguageSpec:
+    """Where a VLM's parts live (module paths from the ForConditionalGeneration class) and the config keys
+    that describe its image tokens and its deepstack layers."""
+
+    model_type: str
+    vision: str = "model.visual"
+    text: str = "model.language_model"
+    inner: str = "model"                     # holds get_rope_index
+    image_token: str = "image_token_id"      # config key of the placeholder id
+    deepstack: str = "deepstack_visual_indexes"  # vision_config key: one decoder layer fed per entry
+
+
+VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
+    spec.model_type: spec for spec in (VisionLanguageSpec("qwen3_vl"),)
+}
+
+
+def vision_spec(config) -> VisionLanguageSpec | None:
+    """The table entry of a VLM's config; None for a text-only model."""
+    return VISION_LANGUAGE.get(getattr(config, "model_type", None))
+
+
+def is_vision_language(model: torch.nn.Module) -> bool:
+    return vision_spec(model.config) is not None
+
+
+def deepstack_layers(config) -> int:
+    """k: decoder layers 0..k-1 receive deepstack features (0 for a text model)."""
+    spec = vision_spec(config)
+    return 0 if spec is None else len(getattr(config.vision_config, spec.deepstack, None) or ())
+
+
+def check_cut(config, cut: int) -> None:
+    """A cut below the deepstack layers would prune a layer the image features still enter: refused."""
+    k = deepstack_layers(config)
+    if cut < k:
+        raise ConfigError(f"cut {cut} is below {config.model_type}'s deepstack layers: image features are "
+                          f"added after decoder layers 0..{k - 1}, so a POP cut must keep them: give --cut "
+                          f"{k} or more (or a smaller --prune-ratio)")
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """Preprocessed images, as the Hugging Face processor returns them: ``pixel_values`` [P, C*T*p*p] (the
+    patches of every image, in order) and ``image_grid_thw`` [I, 3] (each image's grid in patches)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    """One multimodal prompt as the text decoder takes it (module docstring)."""
+
+    input_ids: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    rope_delta: torch.Tensor
+    visual_mask: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...]
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def image_token_count(config, images: ImageInputs) -> int:
+    """The placeholders the images fill: each image's grid in patches over merge x merge."""
+    merge = config.vision_config.spatial_merge_size
+    return int(images.image_grid_thw.prod(-1).sum()) // (merge * merge)
+
+
+@torch.no_grad()
+def encode_prompt(model: torch.nn.Module, input_ids: torch.Tensor,
+                  images: ImageInputs | None) -> VisionPrompt:
+    """``input_ids`` [B, N] with ``images`` (their placeholders already expanded, as the processor does) as
+    the text decoder's inputs, computed by the model's own vision tower and M-RoPE rule. InputError when
+    the placeholders and the images disagree."""
+    spec, config = vision_spec(model.config), model.config
+    image_id = getattr(config, spec.image_token)
+    placeholders = input_ids == image_id
+    wanted = 0 if images is None else image_token_count(config, images)
+    if int(placeholders.sum()) != wanted:
+        raise InputError(f"the prompt has {int(placeholders.sum())} image placeholder tokens but the images "
+                         f"fill {wanted}: expand each image's placeholder with the processor's rule")
+    text = model.get_submodule(spec.text)
+    embeds = text.get_input_embeddings()(input_ids)
+    deepstack: tuple[torch.Tensor, ...] = ()
+    if images is not None:
+        vision = model.get_submodule(spec.vision)
+        out = vision(images.pixel_values.to(vision.dtype), grid_thw=images.image_grid_thw, return_dict=True)
+        # features [V, d] in placeholder order over every image
+        embeds = embeds.masked_scatter(placeholders[..., None].expand_as(embeds),
+                                       out.pooler_output.to(embeds.dtype))
+        deepstack = tuple(f.to(embeds.dtype) for f in out.deepstack_features)
+    inner = model.get_submodule(spec.inner)
+    grid = None if images is None else images.image_grid_thw
+    positions, delta = inner.get_rope_index(input_ids, mm_token_type_ids=placeholders.int(),
+                                            image_grid_thw=grid)  # [3, B, N], [B, 1]
+    return VisionPrompt(input_ids, embeds, positions, delta, placeholders, deepstack)
