@@ -121,6 +121,30 @@ def greedy_with_graphs(pair, prompt, max_new_tokens):
     return tokens
 
 
+def vl_greedy_with_graphs(pair, model, prompt, images, max_new_tokens):
+    """POP generation of a vision-language prompt with the two graphs (folded boundary): the prefill graph
+    on x_1..x_N with the image features and M-RoPE positions, then decode steps at row + rope_delta with
+    zero visual rows."""
+    from popcompile.frontend.vision import encode_prompt, visual_embeds
+
+    encoded = encode_prompt(model, prompt, images)
+    visual = visual_embeds(encoded)
+    prefill, decode = pair.prefill.module(), pair.decode.module()
+    n = prompt.shape[1]
+    mask = torch.ones(1, n, dtype=torch.int64)
+    logits, *past = prefill(prompt, encoded.positions, mask, visual, *empty_past(pair.layout))
+    tokens = [int(logits[0].argmax())]
+    while len(tokens) < max_new_tokens:
+        row = n + len(tokens) - 1
+        positions = (torch.tensor([[row]]) + encoded.rope_delta).expand(3, 1, 1)
+        mask = torch.ones(1, row + 1, dtype=torch.int64)
+        logits, *new = decode(torch.tensor([[tokens[-1]]]), positions, mask,
+                              visual.new_zeros(visual.shape[0], 1, 1, visual.shape[-1]), *past)
+        past = [torch.cat([p, q], dim=2) for p, q in zip(past, new)]
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
 class CharTokenizer:
     """Character-level stand-in for a HF tokenizer (ids fit the tiny models' vocabulary of 97)."""
 

@@ -104,7 +104,7 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: di
 def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
     """One graph to ONNX with the KV layout's names and canonical dynamic dimension names."""
     layout = pair.layout
-    inputs = ["input_ids", "position_ids", "attention_mask", *layout.past_names]
+    inputs = [*pair.inputs, *layout.past_names]
     outputs = (["logits"] if with_logits else []) + layout.present_names
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
         onnx_program = torch.onnx.export(

@@ -14,13 +14,18 @@ The captured graph (it is the decode graph, and the input of the POP pass)::
 B, T and P are dynamic (B >= 1, T >= 1, P >= 0). The masks are built here from ``attention_mask`` with
 plain tensor ops (no data-dependent branch), and attention runs through a registered transformers
 attention function, so the graph has no guard on T == 1 or P == 0 and no `If` node.
+
+A vision-language model (frontend/vision.py) is captured over its text decoder (``VisionDecoderWithKV``):
+M-RoPE ``position_ids`` [3, B, T], and ``visual_embeds`` [1 + k, B, T, d] (the image features; zeros for
+text tokens, and for decode steps) after ``attention_mask``. A graph's flat inputs before the KV rows
+are an ``Interface``.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -30,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..engine.kv import KVLayout
 from .arch import ArchSpec, arch_spec, attention_windows
+from .vision import VisionLanguageSpec, deepstack_layers, vision_spec
 
 ATTN_IMPLEMENTATION = "popcompile"
 
@@ -111,19 +117,146 @@ class DecoderWithKV(torch.nn.Module):
         return (logits, *present)
 
 
+class VisionDecoderWithKV(torch.nn.Module):
+    """A vision-language model's text decoder behind the flat interface, with M-RoPE ``position_ids``
+    [3, B, T] and ``visual_embeds`` [1 + k, B, T, d] after ``attention_mask``: row 0 the merged image
+    features at the image placeholders (they replace those tokens' embeddings:
+    ``where(input_ids == image_token_id, ...)``), rows 1..k the deepstack features added to the output of
+    decoder layers 0..k-1, zeros at text tokens (the dense form of transformers' boolean-mask assignment:
+    adding zeros leaves text tokens exactly as they were). Only the text decoder and the LM head are
+    held: the graph carries no vision weights."""
+
+    def __init__(self, model: torch.nn.Module, spec: ArchSpec, vspec: VisionLanguageSpec):
+        super().__init__()
+        self.spec = spec
+        self.text = model.get_submodule(vspec.text)
+        self.lm_head = model.get_output_embeddings()
+        self.image_token_id = getattr(model.config, vspec.image_token)
+        self.windows = attention_windows(model.config.get_text_config())
+
+    def forward(self, input_ids, position_ids, attention_mask, visual_embeds, *past):
+        layers = [_RecordingLayer(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        mask = next(iter({kind: build_mask(attention_mask, input_ids.shape[1], w)
+                          for kind, w in self.windows.items()}.values()))
+        embeds = self.text.get_input_embeddings()(input_ids)  # [B, T, d]
+        image = (input_ids == self.image_token_id)[..., None]  # [B, T, 1]
+        embeds = torch.where(image, visual_embeds[0].to(embeds.dtype), embeds)
+        hooks = [layer.register_forward_hook(_add_to_output(visual_embeds[1 + i]))
+                 for i, layer in enumerate(self.text.layers[:visual_embeds.shape[0] - 1])]
+        try:
+            out = self.text(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask,
+                            use_cache=True, **{cache_keyword(self.text): Cache(layers=layers)})
+        finally:
+            for hook in hooks:
+                hook.remove()
+        logits = self.lm_head(out.last_hidden_state[:, -1])  # [B, V]
+        return (logits, *[t for layer in layers for t in layer.new])
+
+
+class FunctionalMRope(torch.nn.Module):
+    """Qwen3-VL's interleaved M-RoPE (transformers' ``Qwen3VLTextRotaryEmbedding``) without its in-place
+    slice assignment, on which torch.export guards batch >= 2 and seq >= 2. Frequency j reads the position
+    row the interleaving gives it (height for j = 1, 4, ... below 3 * section[1], width for j = 2, 5, ...
+    below 3 * section[2], time otherwise): the same products, so the same cos and sin, bit for bit.
+
+        position_ids [3, B, T] -> rows[j] -> [D/2, B, T] -> * inv_freq -> [B, T, D/2]
+                               -> cat -> cos, sin [B, T, D]
+    """
+
+    def __init__(self, rope: torch.nn.Module):
+        super().__init__()
+        self.inv_freq, self.scaling = rope.inv_freq, rope.attention_scaling
+        rows = [0] * self.inv_freq.numel()
+        for row in (1, 2):
+            for j in range(row, 3 * rope.mrope_section[row], 3):
+                rows[j] = row
+        self.register_buffer("rows", torch.tensor(rows), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = position_ids.expand(3, -1, -1)[self.rows]  # [D/2, B, T]
+        freqs = positions.permute(1, 2, 0).float() * self.inv_freq.float()  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
+
+
+@contextlib.contextmanager
+def functional_mrope(text: torch.nn.Module) -> Iterator[None]:
+    """``text.rotary_emb`` as FunctionalMRope while a graph is captured, the model's own again after."""
+    original = text.rotary_emb
+    text.rotary_emb = FunctionalMRope(original)
+    try:
+        yield
+    finally:
+        text.rotary_emb = original
+
+
+def _add_to_output(features: torch.Tensor):
+    """A forward hook adding ``features`` [B, T, d] to a decoder layer's output hidden state."""
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (output[0] + features.to(output[0].dtype), *output[1:])
+        return output + features.to(output.dtype)
+    return hook
+
+
+@dataclass(frozen=True)
+class Interface:
+    """A captured graph's flat inputs before the KV rows: their names, example tensors (>= 2 in every
+    dynamic dim, ``examples(layout, batch, seq, past)``) and torch.export dims (``dims(batch, seq)``)."""
+
+    names: tuple[str, ...]
+    examples: Callable[[KVLayout, int, int, int], tuple[torch.Tensor, ...]]
+    dims: Callable[[Dim, Dim], tuple]
+
+
+def _text_examples(vocab_size: int):
+    def examples(layout: KVLayout, batch: int, seq: int, past: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.randint(0, vocab_size, (batch, seq))
+        pos = torch.arange(past, past + seq).repeat(batch, 1)
+        mask = torch.ones(batch, past + seq, dtype=torch.int64)
+        return ids, pos, mask
+    return examples
+
+
+def text_interface(vocab_size: int) -> Interface:
+    """(input_ids [B, T], position_ids [B, T], attention_mask [B, P+T]): the text decoders' graphs.
+    The mask's length is past + seq: left to export to derive (Dim.DYNAMIC), since a sum of two named
+    Dims cannot be declared."""
+    return Interface(("input_ids", "position_ids", "attention_mask"), _text_examples(vocab_size),
+                     lambda batch, seq: ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC}))
+
+
+def vision_interface(vocab_size: int, hidden: int, deepstack: int) -> Interface:
+    """A VLM's graphs (VisionDecoderWithKV): the text interface with position_ids [3, B, T], then
+    visual_embeds [1 + deepstack, B, T, hidden]."""
+    text = _text_examples(vocab_size)
+
+    def examples(layout: KVLayout, batch: int, seq: int, past: int) -> tuple[torch.Tensor, ...]:
+        ids, pos, mask = text(layout, batch, seq, past)
+        visual = torch.randn(1 + deepstack, batch, seq, hidden, dtype=getattr(torch, layout.dtype))
+        return ids, pos.expand(3, -1, -1).contiguous(), mask, visual
+
+    def dims(batch: Dim, seq: Dim) -> tuple:
+        return {0: batch, 1: seq}, {1: batch, 2: seq}, {0: batch, 1: Dim.DYNAMIC}, {1: batch, 2: seq}
+
+    return Interface(("input_ids", "position_ids", "attention_mask", "visual_embeds"), examples, dims)
+
+
 @dataclass(frozen=True)
 class CapturedModel:
-    """The decode graph and what the rest of the pipeline needs to know about it."""
+    """The decode graph and what the rest of the pipeline needs to know about it; ``interface``: its flat
+    inputs before the KV rows (the POP pass keeps them: the prefill graph has the same)."""
 
     program: ExportedProgram
     layout: KVLayout
     spec: ArchSpec
     num_layers: int
     vocab_size: int
+    interface: Interface
 
     @property
     def input_names(self) -> list[str]:
-        return ["input_ids", "position_ids", "attention_mask", *self.layout.past_names]
+        return [*self.interface.names, *self.layout.past_names]
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -143,45 +276,66 @@ def use_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
-def example_inputs(layout: KVLayout, vocab_size: int, batch=2, seq=3, past=4) -> tuple[torch.Tensor, ...]:
+def example_inputs(layout: KVLayout, interface: Interface, batch=2, seq=3,
+                   past=4) -> tuple[torch.Tensor, ...]:
     """Samples >= 2 in every dynamic dim so that export does not specialise them."""
     dtype = getattr(torch, layout.dtype)
-    ids = torch.randint(0, vocab_size, (batch, seq))
-    pos = torch.arange(past, past + seq).repeat(batch, 1)
-    mask = torch.ones(batch, past + seq, dtype=torch.int64)
     kv = [torch.randn(batch, layout.num_kv_heads, past, layout.head_dim, dtype=dtype)
           for _ in range(2 * layout.num_layers)]
-    return (ids, pos, mask, *kv)
+    return (*interface.examples(layout, batch, seq, past), *kv)
 
 
-def dynamic_shapes(layout: KVLayout) -> tuple:
+def dynamic_shapes(layout: KVLayout, interface: Interface) -> tuple:
+    """The interface's dims, then the KV rows' (one tuple: ``*past``)."""
     batch = Dim("batch", min=1, max=4096)
     seq = Dim("seq", min=1, max=layout.max_seq)
     past = Dim("past", min=0, max=layout.max_seq - 1)
     kv = [{0: batch, 2: past} for _ in range(2 * layout.num_layers)]
-    # The mask's length is past + seq: left to export to derive (Dim.DYNAMIC), since a sum of two
-    # named Dims cannot be declared.
-    # *past is one tuple
-    return ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: Dim.DYNAMIC}, tuple(kv))
+    return (*interface.dims(batch, seq), tuple(kv))
+
+
+def export_with_kv(module: torch.nn.Module, layout: KVLayout, interface: Interface) -> ExportedProgram:
+    """torch.export of a module taking (interface inputs, *past), every dynamic dim declared.
+    backed_size_oblivious: sizes 0/1 are treated like any other size instead of being specialised on."""
+    with fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(module, example_inputs(layout, interface),
+                                   dynamic_shapes=dynamic_shapes(layout, interface), strict=False)
 
 
 def capture(model: torch.nn.Module, max_seq: int | None = None) -> CapturedModel:
-    """torch.export the decoder with the explicit KV interface; the result is the decode graph."""
+    """torch.export the decoder with the explicit KV interface; the result is the decode graph (a
+    vision-language model: capture_vision.capture_vision, its decode and prompt graphs)."""
+    if vision_spec(model.config) is not None:
+        return _capture_vision(model, max_seq)
     spec = arch_spec(model.config)
     layout = kv_layout(model, max_seq)
-    wrapper = DecoderWithKV(model, spec).eval()
-    args = example_inputs(layout, model.config.vocab_size)
-    # backed_size_oblivious: treat sizes 0/1 like any other size instead of specialising on them.
-    # transformers' registry for attention functions: our key, our function, no patching.
+    interface = text_interface(model.config.vocab_size)
+    with attention_for_capture(model):
+        program = export_with_kv(DecoderWithKV(model, spec).eval(), layout, interface)
+    return CapturedModel(program, layout, spec, layout.num_layers, model.config.vocab_size, interface)
+
+
+def _capture_vision(model: torch.nn.Module, max_seq: int | None) -> CapturedModel:
+    """A VLM's decode graph: ids, M-RoPE positions and image features in (VisionDecoderWithKV)."""
+    spec, vspec, config = arch_spec(model.config), vision_spec(model.config), model.config.get_text_config()
+    layout = kv_layout(model, max_seq)
+    interface = vision_interface(config.vocab_size, config.hidden_size, deepstack_layers(model.config))
+    with attention_for_capture(model), functional_mrope(model.get_submodule(vspec.text)):
+        program = export_with_kv(VisionDecoderWithKV(model, spec, vspec).eval(), layout, interface)
+    return CapturedModel(program, layout, spec, layout.num_layers, config.vocab_size, interface)
+
+
+def attention_for_capture(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """``model`` running ``pop_attention`` (transformers' registry of attention functions: our key, our
+    function, no patching)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
-    with use_attention(model, ATTN_IMPLEMENTATION), fx_config.patch(backed_size_oblivious=True):
-        program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(layout), strict=False)
-    return CapturedModel(program, layout, spec, layout.num_layers, model.config.vocab_size)
+    return use_attention(model, ATTN_IMPLEMENTATION)
 
 
 def kv_layout(model: torch.nn.Module, max_seq: int | None = None) -> KVLayout:
-    """The KV layout of a HF causal LM; max_seq defaults to min(4096, the model's position limit)."""
-    config = model.config
+    """The KV layout of a HF causal LM (a VLM: of its text decoder); max_seq defaults to min(4096, the
+    model's position limit)."""
+    config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     limit = int(getattr(config, "max_position_embeddings", 4096) or 4096)
     if max_seq is None:
@@ -193,10 +347,9 @@ def kv_layout(model: torch.nn.Module, max_seq: int | None = None) -> KVLayout:
     return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_seq, dtype)
 
 
-def export_flat(gm: torch.nn.Module, layout: KVLayout, vocab_size: int) -> ExportedProgram:
-    """Export a rewritten graph whose inputs are flat: (input_ids, position_ids, attention_mask, *past)."""
-    ids_dims, pos_dims, mask_dims, kv_dims = dynamic_shapes(layout)
-    args = example_inputs(layout, vocab_size)
+def export_flat(gm: torch.nn.Module, layout: KVLayout, interface: Interface) -> ExportedProgram:
+    """Export a rewritten graph whose inputs are flat: (the interface's inputs, *past)."""
+    *dims, kv_dims = dynamic_shapes(layout, interface)
     with fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(gm, args, dynamic_shapes=(ids_dims, pos_dims, mask_dims, *kv_dims),
-                                   strict=False)
+        return torch.export.export(gm, example_inputs(layout, interface),
+                                   dynamic_shapes=(*dims, *kv_dims), strict=False)

@@ -112,7 +112,8 @@ def encode_prompt(model: torch.nn.Module, input_ids: torch.Tensor,
                          f"fill {wanted}: expand each image's placeholder with the processor's rule")
     text = model.get_submodule(spec.text)
     embeds = text.get_input_embeddings()(input_ids)
-    deepstack: tuple[torch.Tensor, ...] = ()
+    # no images: k empty feature lists, so that every prompt has k deepstack rows
+    deepstack = tuple(embeds.new_zeros(0, embeds.shape[-1]) for _ in range(deepstack_layers(config)))
     if images is not None:
         vision = model.get_submodule(spec.vision)
         out = vision(images.pixel_values.to(vision.dtype), grid_thw=images.image_grid_thw, return_dict=True)
@@ -125,3 +126,16 @@ def encode_prompt(model: torch.nn.Module, input_ids: torch.Tensor,
     positions, delta = inner.get_rope_index(input_ids, mm_token_type_ids=placeholders.int(),
                                             image_grid_thw=grid)  # [3, B, N], [B, 1]
     return VisionPrompt(input_ids, embeds, positions, delta, placeholders, deepstack)
+
+
+def visual_embeds(encoded: VisionPrompt) -> torch.Tensor:
+    """The graphs' ``visual_embeds`` [1 + k, B, N, d] (frontend/capture.VisionDecoderWithKV): row 0 the
+    image features at the image placeholders, rows 1..k the deepstack features there; zeros at text
+    tokens."""
+    mask = encoded.visual_mask[..., None]  # [B, N, 1]
+    rows = [torch.where(mask, encoded.embeds, 0.0)]
+    for features in encoded.deepstack:
+        placed = encoded.embeds.new_zeros(encoded.embeds.shape)
+        placed[encoded.visual_mask] = features
+        rows.append(placed)
+    return torch.stack(rows)

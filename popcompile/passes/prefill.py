@@ -29,22 +29,25 @@ class GraphPair:
     cut: int
     num_layers: int
     boundary: str = "folded"
+    #: both graphs' inputs before the KV rows (frontend/capture.Interface.names)
+    inputs: tuple[str, ...] = ("input_ids", "position_ids", "attention_mask")
 
 
 def prefill_graph(captured: CapturedModel, cut: int, kv_weights: KVWeights | None = None,
                   boundary: str = "folded") -> ExportedProgram:
-    """Run a POP pass on a copy of the decode graph and export the result."""
+    """Run a POP pass on a copy of the decode graph and export the result (same inputs)."""
     gm = captured.program.module()  # a fresh GraphModule: the decode program stays untouched
     if boundary == "folded":
         erase_metadata_asserts(gm.graph)  # impure: left in, they keep the replaced full-length nodes alive
         result = fold_boundary_pass(gm, cut, kv_weights)
     else:
         result = pop_pass(gm, cut, kv_weights)
-    return export_flat(result.graph_module, captured.layout, captured.vocab_size)
+    return export_flat(result.graph_module, captured.layout, captured.interface)
 
 
 def pop_graphs(captured: CapturedModel, cut: int, kv_weights: KVWeights | None = None,
                boundary: str = "folded") -> GraphPair:
     """The decode graph (``captured``, untouched) and its prefill graph at ``cut`` (already resolved)."""
     prefill = prefill_graph(captured, cut, kv_weights, boundary)
-    return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers, boundary)
+    return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers, boundary,
+                     captured.interface.names)

@@ -1,0 +1,60 @@
+"""A vision-language model's graphs (Qwen3-VL): the captured decode graph and the POP prefill graph take
+M-RoPE positions [3, B, T] and the image features as ``visual_embeds``; prefilling with the prefill graph
+and decoding with the decode graph generates the eager reference's tokens, with one image, two and none."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_images, tiny_vlm, vl_greedy_with_graphs, vl_prompt
+
+from popcompile import reference
+from popcompile.frontend.capture import FunctionalMRope, capture
+from popcompile.frontend.vision import ImageInputs
+from popcompile.passes.prefill import pop_graphs
+
+LAYERS, CUT, NEW = 6, 4, 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_vlm(layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def captured(model):
+    return capture(model, max_seq=128)
+
+
+@pytest.fixture(scope="module")
+def pair(captured):
+    return pop_graphs(captured, CUT)
+
+
+def test_the_graphs_take_mrope_positions_and_image_features(model, captured, pair):
+    assert captured.input_names[:4] == ["input_ids", "position_ids", "attention_mask", "visual_embeds"]
+    for program in (pair.decode, pair.prefill):
+        assert program.graph_signature.user_inputs[:4] == tuple(captured.input_names[:4])
+        weights = program.graph_signature.inputs_to_parameters.values()
+        assert weights and not [w for w in weights if "visual" in w]  # no vision weights in the text graphs
+    visual = [n for n in pair.prefill.graph.nodes if n.name == "visual_embeds"][0]
+    assert visual.meta["val"].shape[0] == 3 and visual.meta["val"].shape[-1] == 64  # 1 + k rows of width d
+
+
+def test_functional_mrope_is_transformers_mrope_bit_for_bit(model):
+    rope = model.model.language_model.rotary_emb
+    positions = torch.randint(0, 300, (3, 2, 9))
+    x = torch.zeros(1, dtype=torch.float32)
+    for got, want in zip(FunctionalMRope(rope)(x, positions), rope(x, positions)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("sizes", [[(16, 24)], [(16, 24), (8, 16)], []],
+                         ids=["one image", "two images", "text only"])
+@pytest.mark.parametrize("cut", [CUT, LAYERS], ids=["pop", "full"])
+def test_graphs_generate_the_references_tokens(model, captured, pair, sizes, cut):
+    images = ImageInputs(*tiny_images(model, sizes)) if sizes else None
+    ids = vl_prompt(model, images.image_grid_thw if images else torch.zeros(0, 3, dtype=torch.long))
+    graphs = pair if cut == CUT else pop_graphs(captured, LAYERS)
+    expected = reference.generate(model, ids, NEW, reference.Variant(cut=cut), images=images)
+    assert len(set(expected)) > 1
+    assert vl_greedy_with_graphs(graphs, model, ids, images, NEW) == expected
