@@ -10,6 +10,7 @@ from tiny import tiny_images, tiny_vlm, vl_greedy_with_graphs, vl_prompt
 from popcompile import reference
 from popcompile.frontend.capture import FunctionalMRope, capture
 from popcompile.frontend.vision import ImageInputs
+from popcompile.frontend.vision_encoder import capture_vision_encoder
 from popcompile.passes.prefill import pop_graphs
 
 LAYERS, CUT, NEW = 6, 4, 8
@@ -58,3 +59,34 @@ def test_graphs_generate_the_references_tokens(model, captured, pair, sizes, cut
     expected = reference.generate(model, ids, NEW, reference.Variant(cut=cut), images=images)
     assert len(set(expected)) > 1
     assert vl_greedy_with_graphs(graphs, model, ids, images, NEW) == expected
+
+
+@pytest.mark.parametrize("sizes", [[(16, 24), (8, 16)], [(32, 8)]], ids=["two images", "tall image"])
+def test_vision_encoder_graph_is_the_vision_tower_one_image_at_a_time(model, sizes):
+    """The exported vision graph on each image, with the index tensors transformers derives from its grid,
+    gives the tower's features and deepstack features for that image (within float rounding: one SDPA
+    over the image instead of transformers' split)."""
+    from transformers.vision_utils import (
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    visual = model.model.visual
+    pixels, grids = tiny_images(model, sizes)
+    program = capture_vision_encoder(model).module()
+    with torch.no_grad():
+        whole = visual(pixels, grid_thw=grids, return_dict=True)
+        deepstack = torch.stack(whole.deepstack_features)
+        patch, token = 0, 0
+        for grid in grids:
+            patches, merge = int(grid.prod()), visual.spatial_merge_size
+            taps, weights = get_vision_interpolation_indices_and_weights(
+                grid[None], visual.num_grid_per_side, mode="bilinear", align_corners=True,
+                spatial_merge_size=merge)
+            rotary = get_vision_position_ids(grid[None], merge)
+            features, deep = program(pixels[patch:patch + patches], taps, weights, rotary)
+            tokens = patches // merge ** 2
+            torch.testing.assert_close(features, whole.pooler_output[token:token + tokens], atol=1e-5,
+                                       rtol=1e-5)
+            torch.testing.assert_close(deep, deepstack[:, token:token + tokens], atol=1e-5, rtol=1e-5)
+            patch, token = patch + patches, token + tokens
