@@ -43,6 +43,7 @@ from .exporters.checks import check_output_folder
 from .exporters.targets import Compiled, Target, target_for
 from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
+from .frontend.vision import check_cut as check_vision_cut
 from .fsutil import destination_lock, staged_folder
 from .kvfit.calibrate import KVFit, read_fit
 from .kvfit.fit import DISTILL_STEP, kv_fit
@@ -109,7 +110,9 @@ def _calibrate(c: Compilation) -> None:
     """The cut for this model; POP+ weights unless distill (its own step); the model in the engine's dtype.
     ConfigError / InputError before any tracing."""
     check_max_seq(c.loaded, c.config.max_seq)
-    c.cut = c.config.resolve_cut(c.loaded.model.config.num_hidden_layers)
+    text = c.loaded.model.config.get_text_config()  # a vision-language model's text decoder
+    c.cut = c.config.resolve_cut(text.num_hidden_layers)
+    check_vision_cut(c.loaded.model.config, c.cut)
     if c.config.kv_calibration.mode != "distill":
         c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit)
 
@@ -217,12 +220,13 @@ def build_graphs(
     validated before any tracing."""
     if boundary not in BOUNDARIES:
         raise ConfigError(f"boundary={boundary!r} is not one of {', '.join(BOUNDARIES)}")
-    cut = resolve_cut(model.config.num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
+    cut = resolve_cut(model.config.get_text_config().num_hidden_layers, cut=cut, prune_ratio=prune_ratio)
+    check_vision_cut(model.config, cut)
     return pop_graphs(capture(model, max_seq=max_seq), cut, kv_weights, boundary)
 
 
 def check_max_seq(loaded: LoadedModel, max_seq: int | None) -> None:
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    limit = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
     if max_seq is not None and isinstance(limit, int) and max_seq > limit:
         raise ConfigError(f"--max-seq {max_seq} exceeds the model's max_position_embeddings={limit}: "
                           f"give at most {limit}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
-from tiny import tiny_model
+from tiny import VL_IDS, tiny_model, tiny_vlm
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from popcompile.driver import export
@@ -52,6 +52,45 @@ def tiny_hf_folder(folder: str | Path, model_type: str = "llama", *, chat_templa
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return Path(folder)
+
+
+#: Qwen3-VL's image tokens as the tiny vision-language tokenizer writes them (ids: tiny.VL_IDS)
+VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+             "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+#: Qwen-VL's chat layout, shortened: each image of a message is vision_start, image_pad, vision_end
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|> <|image_pad|> <|vision_end|> "
+    "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %} </s> {% endfor %}"
+    "{% if add_generation_prompt %}t1 {% endif %}")
+
+
+def tiny_vl_tokenizer(vocab_size: int = 160) -> transformers.PreTrainedTokenizerFast:
+    """tiny_tokenizer's words for ids below 150, Qwen3-VL's image tokens at tiny.VL_IDS, a chat template
+    that renders images as Qwen-VL does."""
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(special + [f"t{i}" for i in range(150 - len(special))])}
+    vocab.update({text: VL_IDS[key] for key, text in VL_TOKENS.items()})
+    vocab.update({f"x{i}": i for i in range(len(vocab), vocab_size) if i not in vocab.values()})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=list(VL_TOKENS.values()))
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_vl_engine(out_dir: str | Path, model=None, **export_kwargs) -> Path:
+    """Export a tiny random Qwen3-VL (tiny.tiny_vlm) as an engine folder at ``out_dir``."""
+    model = model or tiny_vlm()
+    tokenizer = tiny_vl_tokenizer(model.config.text_config.vocab_size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    source = ModelSource(name="tiny-vl", kind="folder", path="tiny-vl", sha256=None)
+    export_kwargs.setdefault("kv_calibration", "none")
+    export_kwargs.setdefault("min_prompt_tokens", 0)
+    export(LoadedModel(model, tokenizer, source), out_dir, **export_kwargs)
+    return Path(out_dir)
 
 
 def has_tensorrt_gpu() -> bool:

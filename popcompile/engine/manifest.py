@@ -14,15 +14,19 @@ from pathlib import Path
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write
 from .kv import KV_DTYPES, KVLayout
+from .vision import VISUAL_EMBEDS, VisionSection
 from .vllm_folder import is_vllm_folder
 
 MANIFEST = "popcompile.json"
 FORMAT = "popcompile-engine"
 FORMAT_VERSION = 3
-#: versions this popcompile reads: 1 (before ``boundary``: always "separate"), 2, and 3
+#: a vision-language engine's version (a ``vision`` section; text graphs with M-RoPE positions and image
+#: features): a version-3 runtime would feed its graphs text inputs, so it refuses 4. Text engines stay 3.
+VISION_FORMAT_VERSION = 4
+#: versions this popcompile reads: 1 (before ``boundary``: always "separate"), 2, 3
 #: (``attention.shared_kv``: a graph may read and write the KV buffer in place; a version-2 runtime would bind
-#: it wrongly, so it refuses 3)
-READABLE_VERSIONS = (1, 2, 3)
+#: it wrongly, so it refuses 3) and 4 (``vision``)
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: how POP's boundary token x_N reaches the full model (docs/kv.md):
 #:   folded    the prefill graph takes x_1..x_N, runs x_N alone through the deep layers and returns its logits
 #:   separate  the prefill graph takes x_1..x_{N-1}; the decode graph runs x_N over their rows
@@ -136,6 +140,7 @@ _MANIFEST_FIELDS = {
                   and set(v.get("shared_kv", [])) <= set(GRAPHS),
                   "an object whose lowering is onnxruntime and whose shared_kv lists graphs "
                   "(or empty: standard ONNX ops)"),
+    "vision": (lambda v: isinstance(v, dict), "an object"),
 }
 
 
@@ -171,6 +176,9 @@ class EngineManifest:
     # ``shared_kv``: the graphs whose present outputs are the whole buffer, written in place
     # (exporters/ort_shared_kv.py, docs/kv.md).
     attention: dict = field(default_factory=dict)
+    # A vision-language engine's vision graph, image processing and image tokens (engine/vision.py); empty
+    # for a text engine.
+    vision: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_prompt_tokens, bool) or not isinstance(self.min_prompt_tokens, int) \
@@ -179,6 +187,12 @@ class EngineManifest:
                               f"must be an integer >= 0")
         _check_fields(self, _MANIFEST_FIELDS)
         _check_weights(self.weights)
+        if self.vision:
+            VisionSection.from_manifest(self.vision)
+        if bool(self.vision) != (self.format_version == VISION_FORMAT_VERSION):
+            which = "with" if self.vision else "without"
+            raise EngineError(f"format_version={self.format_version} {which} a vision section: a "
+                              f"vision-language engine is version {VISION_FORMAT_VERSION}, others earlier")
         if not 1 <= self.cut <= self.num_layers:
             raise EngineError(f"manifest cut={self.cut} is out of range 1..{self.num_layers}")
         if self.kv_layout.num_layers != self.num_layers or self.kv_layout.dtype != self.dtype:
@@ -242,7 +256,12 @@ class EngineManifest:
         return self.weights.get("sha256")
 
     def expected_inputs(self) -> tuple[str, ...]:
-        return (*GRAPH_INPUTS, *self.kv_layout.past_names)
+        visual = (VISUAL_EMBEDS,) if self.vision else ()
+        return (*GRAPH_INPUTS, *visual, *self.kv_layout.past_names)
+
+    def vision_section(self, folder: object = "?") -> VisionSection | None:
+        """The checked vision section; None for a text engine."""
+        return VisionSection.from_manifest(self.vision, folder) if self.vision else None
 
     def has_logits(self, graph: str) -> bool:
         """The decode graph returns logits; the prefill graph too when the boundary is folded into it."""

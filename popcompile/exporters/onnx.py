@@ -3,6 +3,7 @@
     engines/NAME/
       popcompile.json           manifest (engine/manifest.py)
       prefill.onnx, decode.onnx graphs; every initializer is external data in weights.bin
+      vision.onnx               a vision-language model's vision tower (engine/vision.py), in weights.bin too
       weights.bin               each distinct tensor once: the graphs share it
       tokenizer.json, tokenizer_config.json, generation_config.json, config.json (the HF config)
 
@@ -17,7 +18,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import io
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,15 +26,18 @@ import onnx
 import torch
 
 from ..config import WeightQuantization
-from ..engine.manifest import EngineManifest, GraphEntry, sha256_file
+from ..engine.manifest import VISION_FORMAT_VERSION, EngineManifest, GraphEntry, sha256_file
+from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
 from ..frontend.models import LoadedModel
+from ..frontend.vision import vision_record, vision_spec
 from ..passes.prefill import GraphPair
 from .ort_passes import ORT_PASSES, OrtContext
 from .quantize import quantize_weights
-from .steps import FUSE_STEP, QUANTIZE_STEP, onnx_write_steps
+from .steps import FUSE_STEP, QUANTIZE_STEP, VISION_STEP, onnx_write_steps
 
 OPSET = 20
 WEIGHTS = "weights.bin"
+VISION_FILE = "vision.onnx"
 _ALIGN = 64
 # Small constants (shapes, axes) stay inside the graph: shape inference and parsers read them there.
 _INLINE_BYTES = 1024
@@ -51,6 +55,13 @@ class _Writing:
     prefill: onnx.ModelProto | None = None
     attention: dict = field(default_factory=dict)  # the manifest's entry: empty unless fused
     weights_bytes: int = 0
+    vision: onnx.ModelProto | None = None  # a vision-language model's vision graph
+
+    @property
+    def graphs(self) -> dict[str, onnx.ModelProto]:
+        """The files to write: both text graphs, and the vision graph where there is one."""
+        vision = {VISION_FILE: self.vision} if self.vision is not None else {}
+        return {"decode.onnx": self.decode, "prefill.onnx": self.prefill, **vision}
 
 
 def _export_decode(w: _Writing) -> None:
@@ -59,6 +70,13 @@ def _export_decode(w: _Writing) -> None:
 
 def _export_prefill(w: _Writing) -> None:
     w.prefill = to_onnx(w.pair.prefill, w.pair, with_logits=w.pair.boundary == "folded")
+
+
+def _export_vision(w: _Writing) -> None:
+    from ..frontend.vision_encoder import capture_vision_encoder
+
+    program = capture_vision_encoder(w.loaded.model)
+    w.vision = program_to_onnx(program, list(VISION_INPUTS), list(VISION_OUTPUTS))
 
 
 def _fuse(w: _Writing) -> None:
@@ -70,10 +88,10 @@ def _quantize(w: _Writing) -> None:
 
 
 def _write_folder(w: _Writing) -> None:
-    w.weights_bytes = write_shared(w.folder, {"decode.onnx": w.decode, "prefill.onnx": w.prefill})
+    w.weights_bytes = write_shared(w.folder, w.graphs)
     # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
-    if not w.attention:
-        for name in ("decode.onnx", "prefill.onnx"):
+    for name in w.graphs:
+        if not w.attention or name == VISION_FILE:
             onnx.checker.check_model(str(w.folder / name))
     w.loaded.tokenizer.save_pretrained(w.folder)
     w.loaded.model.generation_config.save_pretrained(w.folder)
@@ -82,7 +100,8 @@ def _write_folder(w: _Writing) -> None:
 
 #: what each of steps.ONNX_WRITE_STEPS does, by name
 _RUN = {"export decode graph": _export_decode, "export prefill graph": _export_prefill,
-        FUSE_STEP: _fuse, QUANTIZE_STEP: _quantize, "write engine folder": _write_folder}
+        VISION_STEP: _export_vision, FUSE_STEP: _fuse, QUANTIZE_STEP: _quantize,
+        "write engine folder": _write_folder}
 
 
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: dict,
@@ -94,11 +113,17 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: di
     attention as onnxruntime's contrib ops (exporters/ort_passes.py), or standard. ``provenance``: the
     manifest's ``extra`` (how the K/V weights and the cut were chosen)."""
     writing = _Writing(tmp, loaded, pair, quantization)
-    for write_step in onnx_write_steps(attention, quantization.bits is not None):
+    vision = vision_spec(loaded.model.config) is not None
+    for write_step in onnx_write_steps(attention, quantization.bits is not None, vision):
         step(write_step.name)
         _RUN[write_step.name](writing)
-    return replace(_manifest(tmp, loaded, pair, writing.weights_bytes, provenance),
-                   quantization=quantization.to_manifest(), attention=writing.attention)
+    section = {}
+    if vision:
+        record = vision_record(loaded.model, loaded.tokenizer, loaded.source.path)
+        section = {"graph": asdict(_graph_entry(tmp / VISION_FILE)), **record}
+    version = {"format_version": VISION_FORMAT_VERSION} if vision else {}
+    return _manifest(tmp, loaded, pair, writing.weights_bytes, provenance, vision=section, **version,
+                     quantization=quantization.to_manifest(), attention=writing.attention)
 
 
 def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
@@ -106,14 +131,19 @@ def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
     layout = pair.layout
     inputs = [*pair.inputs, *layout.past_names]
     outputs = (["logits"] if with_logits else []) + layout.present_names
+    proto = program_to_onnx(program, inputs, outputs)
+    canonical_dims(proto)
+    return proto
+
+
+def program_to_onnx(program, inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
+    """An exported program to ONNX (torch.onnx's dynamo exporter, optimised) with these tensor names."""
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
         onnx_program = torch.onnx.export(
             program, (), dynamo=True, input_names=inputs, output_names=outputs,
             opset_version=OPSET, optimize=True, verify=False, report=False,
         )
-    proto = onnx_program.model_proto
-    canonical_dims(proto)
-    return proto
+    return onnx_program.model_proto
 
 
 def canonical_dims(proto: onnx.ModelProto) -> None:
@@ -168,15 +198,10 @@ def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int,
 
 
 def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,
-              provenance: dict) -> EngineManifest:
-    graphs = {}
-    for name in ("prefill", "decode"):
-        path = folder / f"{name}.onnx"
-        proto = onnx.load(str(path), load_external_data=False)
-        graphs[name] = GraphEntry(
-            file=path.name, inputs=tuple(v.name for v in proto.graph.input),
-            outputs=tuple(v.name for v in proto.graph.output), bytes=path.stat().st_size,
-            sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+              provenance: dict, **sections) -> EngineManifest:
+    """The manifest of the written folder; ``sections``: the writer's other fields (quantization, attention,
+    vision, format_version)."""
+    graphs = {name: _graph_entry(folder / f"{name}.onnx") for name in ("prefill", "decode")}
     eos = loaded.model.generation_config.eos_token_id
     source = loaded.source
     return EngineManifest(
@@ -189,7 +214,15 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
         extra=dict(provenance),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         boundary=pair.boundary,
+        **sections,
     )
+
+
+def _graph_entry(path: Path) -> GraphEntry:
+    proto = onnx.load(str(path), load_external_data=False)
+    return GraphEntry(file=path.name, inputs=tuple(v.name for v in proto.graph.input),
+                      outputs=tuple(v.name for v in proto.graph.output), bytes=path.stat().st_size,
+                      sha256=hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto,

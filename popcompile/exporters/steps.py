@@ -3,6 +3,7 @@
 
     export decode graph             the captured program -> ONNX
     export prefill graph            the POP prefill program -> ONNX
+    export vision graph             vision-language models only: the vision tower, one image a call -> ONNX
     fuse attention for onnxruntime  attention lowered "fused" only: ort_passes.ORT_PASSES over both graphs
     quantize weights                int8/int4 weights only: after fusing, so packed projections quantise whole
     write engine folder             both graphs over one weights file, tokenizer and configs (the driver
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class WriteStep:
     """A step of the ONNX writer; ``needs``: "fused" (attention lowered to onnxruntime's ops), "quantized"
-    (int8/int4 weights) or None (always)."""
+    (int8/int4 weights), "vision" (a vision-language model) or None (always)."""
 
     name: str
     needs: str | None = None
@@ -25,16 +26,19 @@ class WriteStep:
 ONNX_WRITE_STEPS = (
     WriteStep("export decode graph"),
     WriteStep("export prefill graph"),
+    WriteStep("export vision graph", needs="vision"),
     WriteStep("fuse attention for onnxruntime", needs="fused"),
     WriteStep("quantize weights", needs="quantized"),
     WriteStep("write engine folder"),
 )
-FUSE_STEP, QUANTIZE_STEP = (step.name for step in ONNX_WRITE_STEPS if step.needs)
+VISION_STEP, FUSE_STEP, QUANTIZE_STEP = (step.name for step in ONNX_WRITE_STEPS if step.needs)
 #: the steps every ONNX folder goes through (the TensorRT target writes standard, float weights)
 ONNX_STEPS = tuple(step.name for step in ONNX_WRITE_STEPS if step.needs is None)
 
 
-def onnx_write_steps(attention: str, quantized: bool) -> tuple[WriteStep, ...]:
-    """The steps that run for an attention lowering ("fused" | "standard") and weights (quantized or not)."""
-    have = {None, *(["fused"] if attention == "fused" else []), *(["quantized"] if quantized else [])}
+def onnx_write_steps(attention: str, quantized: bool, vision: bool = False) -> tuple[WriteStep, ...]:
+    """The steps that run for an attention lowering ("fused" | "standard"), weights (quantized or not) and a
+    model (vision-language or not)."""
+    have = {None, *(["fused"] if attention == "fused" else []), *(["quantized"] if quantized else []),
+            *(["vision"] if vision else [])}
     return tuple(step for step in ONNX_WRITE_STEPS if step.needs in have)

@@ -17,7 +17,10 @@ everything else reads the Hugging Face model's own modules (its vision tower, it
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -139,3 +142,42 @@ def visual_embeds(encoded: VisionPrompt) -> torch.Tensor:
         placed[encoded.visual_mask] = features
         rows.append(placed)
     return torch.stack(rows)
+
+
+#: transformers' Qwen-VL image processor settings where the model folder has no preprocessor_config.json
+#: (Qwen3-VL's released values for pixels, mean and std; patch and merge sizes come from the vision config)
+DEFAULT_PIXELS = {"min_pixels": 65536, "max_pixels": 16777216}
+DEFAULT_NORMALIZE = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}
+
+
+def image_processing(config, folder: str | Path | None) -> dict:
+    """How images become patches (engine/vision.py's ``processing``): the folder's preprocessor_config.json
+    where it has one, else the vision config's patch sizes with Qwen3-VL's defaults."""
+    vc = config.vision_config
+    found = {}
+    path = Path(folder) / "preprocessor_config.json" if folder else None
+    if path is not None and path.is_file():
+        found = json.loads(path.read_text(encoding="utf-8"))
+    size = found.get("size") or {}
+    return {
+        "patch_size": int(found.get("patch_size", vc.patch_size)),
+        "temporal_patch_size": int(found.get("temporal_patch_size", vc.temporal_patch_size)),
+        "merge_size": int(found.get("merge_size", vc.spatial_merge_size)),
+        "min_pixels": int(size.get("shortest_edge", found.get("min_pixels", DEFAULT_PIXELS["min_pixels"]))),
+        "max_pixels": int(size.get("longest_edge", found.get("max_pixels", DEFAULT_PIXELS["max_pixels"]))),
+        **{key: found.get(key, default) for key, default in DEFAULT_NORMALIZE.items()},
+    }
+
+
+def vision_record(model: torch.nn.Module, tokenizer, folder: str | Path | None) -> dict:
+    """The manifest's vision section but its graph entry (engine/vision.py): processing, image tokens (ids
+    and text), the position table's side, k and d."""
+    spec, config = vision_spec(model.config), model.config
+    ids = {key: int(getattr(config, key)) for key in ("image_token_id", "vision_start_token_id",
+                                                       "vision_end_token_id")}
+    texts = dict(zip(("image_token", "vision_start", "vision_end"),
+                     tokenizer.convert_ids_to_tokens(list(ids.values()))))
+    side = math.isqrt(config.vision_config.num_position_embeddings)
+    return {"processing": image_processing(config, folder), **ids, **texts, "position_side": side,
+            "deepstack": len(getattr(config.vision_config, spec.deepstack)),
+            "hidden_size": config.get_text_config().hidden_size}

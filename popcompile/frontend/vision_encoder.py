@@ -23,9 +23,6 @@ from torch.export import Dim, ExportedProgram
 
 from .vision import vision_spec
 
-VISION_INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rotary_positions")
-VISION_OUTPUTS = ("image_embeds", "deepstack_embeds")
-
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

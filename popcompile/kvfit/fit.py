@@ -37,7 +37,7 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
     and the model's shapes. None as well when ``cut`` prunes nothing. ``config``: how auto and distill fit
     (default KVFitConfig(); its method is the mode's)."""
     kv = KVCalibration.of(kv)
-    layers = model.config.num_hidden_layers
+    layers = model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder
     if kv.mode == "none" or cut == layers:
         return None
     if kv.fits_now:
@@ -53,7 +53,7 @@ def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig
                 step: Callable[[str], None] | None = None) -> KVFit:
     """``fit_cut`` on the built-in calibration corpus (``builtin_tokens``). Distill at cut L-1 leaves no layer
     to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
-    if config.method == "distill" and cut >= model.config.num_hidden_layers - 1:
+    if config.method == "distill" and cut >= model.config.get_text_config().num_hidden_layers - 1:
         config = replace(config, method="ridge")
     if config.method == "distill":
         (step or (lambda name: None))(DISTILL_STEP)
