@@ -7,6 +7,7 @@ No download: the tokenizer is a WordLevel vocabulary of the tiny model's 97 toke
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import transformers
@@ -81,12 +82,23 @@ def tiny_vl_tokenizer(vocab_size: int = 160) -> transformers.PreTrainedTokenizer
     return tokenizer
 
 
+#: the tiny engine's image processing (its source folder's preprocessor_config.json): images of 16x16 to
+#: 48x48 pixels, 4 to 36 tokens
+VL_PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+                   "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+                   "image_mean": [0.48, 0.46, 0.41], "image_std": [0.27, 0.26, 0.28]}
+
+
 def tiny_vl_engine(out_dir: str | Path, model=None, **export_kwargs) -> Path:
-    """Export a tiny random Qwen3-VL (tiny.tiny_vlm) as an engine folder at ``out_dir``."""
+    """Export a tiny random Qwen3-VL (tiny.tiny_vlm) as an engine folder at ``out_dir``; its source folder
+    (beside it) holds the preprocessor_config.json the export reads."""
     model = model or tiny_vlm()
     tokenizer = tiny_vl_tokenizer(model.config.text_config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    source = ModelSource(name="tiny-vl", kind="folder", path="tiny-vl", sha256=None)
+    folder = Path(str(out_dir) + "-source")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    source = ModelSource(name="tiny-vl", kind="folder", path=str(folder), sha256=None)
     export_kwargs.setdefault("kv_calibration", "none")
     export_kwargs.setdefault("min_prompt_tokens", 0)
     export(LoadedModel(model, tokenizer, source), out_dir, **export_kwargs)

@@ -30,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--prompt-file", type=Path,
                    help="read the prompt from a file; with --prompt too, the file's "
                         "text comes first and --prompt (an instruction) after it")
+    p.add_argument("--image", action="append", default=[], type=Path, metavar="PATH",
+                   help="an image for a vision-language engine (repeatable): each goes where the prompt "
+                        "writes the model's image token, or all before the text")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--greedy", action="store_true",
                    help="always take the most likely token, whatever generation_config.json says")
@@ -99,14 +102,17 @@ def _describe(choice) -> str:
 
 def cmd_run(args) -> None:
     from ..runtime.defaults import resolve_sampling
+    from ..runtime.vision import load_image
 
     prompt = _check_args(args)  # before the engine loads
+    images = [load_image(path) for path in args.image]  # a missing or broken file, before the engine loads
     options = _sampling_options(args)
     session = open_session(args)
     if prompt is None:
         _converse(session, options, args)
         return
-    ids = session.encode(prompt, args.chat)  # a template or tokenizer problem stops here, before any note
+    # a template or tokenizer problem, images for a text engine: here, before any note
+    ids = session.encode(prompt, args.chat, images=len(images))
     choice = resolve_sampling(session.tokenizer.generation_config, options,
                               str(args.engine / "generation_config.json"))
     sampling = choice.config(args.max_new_tokens, tuple(args.stop))
@@ -119,11 +125,11 @@ def cmd_run(args) -> None:
     if args.warmup:
         _warm_up(session, ids, modes)
     if args.compare:
-        _compare(session, ids, sampling, choice, args)
+        _compare(session, ids, sampling, choice, args, images)
         return
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = session.generate([ids], sampling, mode=modes[0], on_text=stream,
-                              min_prompt_tokens=args.min_prompt_tokens)[0]
+                              min_prompt_tokens=args.min_prompt_tokens, images=[images])[0]
     if args.json:
         print(json.dumps({**result.to_dict(), "sampling": choice.to_dict()}))
         return
@@ -143,6 +149,9 @@ def _check_args(args) -> str | None:
     check_range("--repeat", args.repeat, 1)
     if args.repeat != 1 and not args.compare:
         raise CliError("--repeat times --compare's runs: use it with --compare")
+    if args.image and args.prompt is None and args.prompt_file is None:
+        raise CliError("--image goes with a prompt: give --prompt TEXT (a conversation on stdin takes no "
+                       "images)")
     if args.prompt is None and args.prompt_file is None:
         if args.chat and not args.compare:
             return None  # a conversation on stdin
@@ -184,14 +193,16 @@ def _converse(session, options, args) -> None:
 def _warm_up(session, ids: list[int], modes: tuple[str, ...]) -> None:
     from ..runtime.sampling import SamplingConfig
 
+    image = session.images and session.images.section.image_token_id
+    text = [token for token in ids if token != image][:8] or ids[:1]  # the text graphs, no image to encode
     for mode in modes:  # min_prompt_tokens=0: the graphs the timed run will use, whatever the threshold
-        session.generate([ids[:8]], SamplingConfig(max_new_tokens=2), mode=mode, min_prompt_tokens=0)
+        session.generate([text], SamplingConfig(max_new_tokens=2), mode=mode, min_prompt_tokens=0)
 
 
-def _compare(session, ids: list[int], sampling, choice, args) -> None:
+def _compare(session, ids: list[int], sampling, choice, args, images: list) -> None:
     from ..runtime.compare import compare
 
-    result = compare(session, [ids], sampling, repeats=args.repeat)
+    result = compare(session, [ids], sampling, repeats=args.repeat, images=[images])
     if args.min_prompt_tokens is not None:  # the threshold a plain run would use with this override
         result = dataclasses.replace(result, min_prompt_tokens=args.min_prompt_tokens)
     if args.json:

@@ -102,10 +102,15 @@ def verify_file(folder: Path, name: str, key: str, size: int, sha256: str | None
 
 
 def verify_folder(folder: Path, manifest: EngineManifest, cache: HashCache) -> dict[str, Path]:
-    """Both graphs and the weights file verified; returns the resolved paths ("prefill", "decode",
-    "weights")."""
+    """Both graphs (a vision-language engine's vision graph too) and the weights file verified; returns the
+    resolved paths ("prefill", "decode", "vision" where there is one, "weights")."""
     paths = {name: verify_file(folder, entry.file, f"graphs.{name}.file", entry.bytes, entry.sha256, cache)
              for name, entry in manifest.graphs.items()}
+    section = manifest.vision_section(folder)
+    if section is not None:
+        graph = section.graph
+        paths["vision"] = verify_file(folder, graph["file"], "vision.graph.file", graph["bytes"],
+                                      graph["sha256"], cache)
     weights = manifest.weights
     if manifest.weights_sha256() is None:
         warnings.warn(f"{folder}: the manifest has no sha256 for {weights['file']} "

@@ -23,6 +23,9 @@ class ArchSpec:
     # Norms on each branch's output before the residual add (Gemma 3's post-attention / post-feedforward
     # "sandwich" norms): the residual stream is then not rotation invariant (SliceGPT refuses it).
     branch_output_norms: bool = False
+    # the vision-language model this decoder is the text part of (frontend/vision.py), None for a model
+    # loaded on its own
+    part_of: str | None = None
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -34,7 +37,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen3", mask_mapping=True, k_norm="self_attn.k_norm"),
         ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm", branch_output_norms=True),
         # Qwen3-VL's text decoder (frontend/vision.py: the model around it)
-        ArchSpec("qwen3_vl_text", mask_mapping=False, k_norm="self_attn.k_norm"),
+        ArchSpec("qwen3_vl_text", mask_mapping=False, k_norm="self_attn.k_norm", part_of="qwen3_vl"),
     )
 }
 

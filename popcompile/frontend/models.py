@@ -25,19 +25,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
 from .arch import ARCHITECTURES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
+from .vision import VISION_LANGUAGE, vision_spec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-#: ``config.model_type`` values whose decoder layers popcompile knows how to prune (the arch table).
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+#: ``config.model_type`` values whose decoder layers popcompile knows how to prune (the arch table), and the
+#: vision-language models around such decoders (the VLM table)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*[t for t, spec in ARCHITECTURES.items() if spec.part_of is None],
+                                          *VISION_LANGUAGE)
 
 _GGUF_MAGIC = b"GGUF"
 # A hub id is "name" or "owner/name"; anything else that does not exist is a bad path.
@@ -165,10 +169,12 @@ def _read_weights(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
                          "save the model with save_pretrained or re-download it")
     from safetensors import SafetensorError
 
+    # a vision-language model loads whole (its vision tower too): the VLM table names its auto class
+    spec = vision_spec(_read_config(folder, local_files_only=True))
+    auto = getattr(transformers, spec.auto_class) if spec is not None else AutoModelForCausalLM
     try:
         # local_files_only: every kind is on disk by now and the hub must never be contacted.
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                                    local_files_only=True)
+        return auto.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
     except (*_READ_ERRORS, SafetensorError) as err:
         raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
                          "re-download or re-save the model") from err

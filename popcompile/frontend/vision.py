@@ -38,6 +38,7 @@ class VisionLanguageSpec:
     inner: str = "model"                     # holds get_rope_index
     image_token: str = "image_token_id"      # config key of the placeholder id
     deepstack: str = "deepstack_visual_indexes"  # vision_config key: one decoder layer fed per entry
+    auto_class: str = "AutoModelForImageTextToText"  # transformers' class that loads it from a folder
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {

@@ -15,7 +15,7 @@ tokenisation), the cache is cut back to the tokens both agree on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError, InputError
 from .kvstore import KVStore
@@ -24,17 +24,20 @@ from .tokenizer import EngineTokenizer
 
 @dataclass
 class History:
-    """The token ids whose rows ``buffer`` holds, in order (len(ids) == buffer.length)."""
+    """The token ids whose rows ``buffer`` holds, in order (len(ids) == buffer.length); ``images``: the keys
+    of a vision-language chat's images, in order (multimodal.PreparedImage.key)."""
 
     buffer: KVStore
     ids: list[int]
+    images: list[str] = field(default_factory=list)
 
-    def keep_for(self, ids: list[int], buffer: KVStore) -> int:
+    def keep_for(self, ids: list[int], buffer: KVStore, limit: int | None = None) -> int:
         """Cut the buffer back to the longest common prefix of its ids and ``ids`` (at least one token of
-        ``ids`` is left to prefill: its logits start the reply); return the rows kept."""
+        ``ids`` is left to prefill: its logits start the reply), at most ``limit`` rows; return the rows
+        kept."""
         if buffer is not self.buffer:
             return 0
-        kept = common_prefix(self.ids, ids)
+        kept = min(common_prefix(self.ids, ids), len(ids) if limit is None else limit)
         buffer.truncate(kept)
         return kept
 
@@ -59,7 +62,8 @@ def chat_prompt_ids(tokenizer: EngineTokenizer, messages: object, max_seq: int) 
     if not isinstance(messages, (list, tuple)) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
-        raise InputError("messages must be a non-empty list of {'role': str, 'content': str} dicts, the "
+        raise InputError("messages must be a non-empty list of {'role': str, 'content': str} dicts (a "
+                         "vision-language engine's content may be a list of text and image parts), the "
                          "conversation so far, ending with the user's turn")
     ids = tokenizer.encode_chat(list(messages), add_generation_prompt=True)
     if len(ids) >= max_seq:

@@ -75,14 +75,16 @@ class Comparison:
                 f"median of {self.repeats}) | texts {agree} | plain `run` uses: {default}")
 
 
-def compare(session, prompt, sampling, *, chat: bool | None = None, repeats: int = 1) -> Comparison:
+def compare(session, prompt, sampling, *, chat: bool | None = None, repeats: int = 1,
+            images: list | None = None) -> Comparison:
     """Run ``prompt`` in full and with POP (forced) ``repeats`` times each, interleaved."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"--repeat must be an integer >= 1, got {repeats!r}")
     runs: dict[str, list[GenerationResult]] = {"full": [], "pop": []}
     for _ in range(repeats):
         for mode in runs:
-            result = session.generate(prompt, sampling, mode=mode, chat=chat, min_prompt_tokens=0)[0]
+            result = session.generate(prompt, sampling, mode=mode, chat=chat, min_prompt_tokens=0,
+                                      images=images)[0]
             runs[mode].append(result)
     full, pop = runs["full"][0], runs["pop"][0]
     return Comparison(

@@ -10,7 +10,9 @@ update) implements ``Backend.run`` and decides how the past reaches its graph::
     pop, separate:  prefill graph on x_1..x_{N-1}  ->  decode graph on x_N    ->  decode graph per token
     full:           decode graph on x_1..x_N                                  ->  decode graph per token
 
-Prompts of different lengths are left-padded, so x_N of every row sits in the last column.
+Prompts of different lengths are left-padded, so x_N of every row sits in the last column. What the graphs
+take beside input_ids and attention_mask comes from a ``Feeds``: ``TextFeeds`` (position_ids [B, T]) or, for
+a vision-language engine, multimodal.VisionFeeds (M-RoPE positions and image features).
 """
 from __future__ import annotations
 
@@ -42,6 +44,25 @@ class Backend(Protocol):
         2L arrays [B, H_kv, T, D] in the order k0, v0, k1, ...). The loop passes the rows to
         ``buffer.write`` before the next call, so they may be views into ``buffer.present(B, T)``; the
         backend never writes the cache itself."""
+
+
+class Feeds(Protocol):
+    def prompt(self, columns: slice, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """The inputs beside input_ids and attention_mask for the prompt's ``columns`` (of the left-padded
+        prompt the generation prefills); ``positions`` [B, T]: their text positions (cache rows)."""
+
+    def step(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """The same for tokens after the prompt at text positions ``positions`` [B, T]."""
+
+
+class TextFeeds:
+    """A text engine's: position_ids [B, T], the tokens' cache rows."""
+
+    def prompt(self, columns: slice, positions: np.ndarray) -> dict[str, np.ndarray]:
+        return {"position_ids": positions}
+
+    def step(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        return {"position_ids": positions}
 
 
 @dataclass(frozen=True)
@@ -175,7 +196,7 @@ class Generation:
 
     def __init__(self, backend: Backend | RunGraph, buffer: KVStore, tokenizer: EngineTokenizer,
                  sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None,
-                 folded: bool = False, min_prompt_tokens: int = ALWAYS_POP):
+                 folded: bool = False, min_prompt_tokens: int = ALWAYS_POP, feeds: Feeds | None = None):
         if not isinstance(mode, str) or mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if on_text is not None and not callable(on_text):
@@ -189,12 +210,14 @@ class Generation:
         self.sampler = Sampler(sampling)
         self.min_prompt_tokens = min_prompt_tokens  # shorter prompts prefill in full: POP would gain ~nothing
         self.path = mode
+        self.feeds = feeds or TextFeeds()  # position_ids (and a VLM's image inputs) of each call
         self.results: list[GenerationResult] = []
 
-    def step(self, graph: str, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
-        """Run one graph on ids [B, T]; store the new K/V rows; return logits [B, V] (decode only)."""
-        feeds = {"input_ids": ids, "position_ids": positions,
-                 "attention_mask": self.buffer.attention_mask(ids.shape[0], mask)}
+    def step(self, graph: str, ids: np.ndarray, inputs: dict[str, np.ndarray],
+             mask: np.ndarray) -> np.ndarray | None:
+        """Run one graph on ids [B, T] with ``inputs`` (``Feeds``'); store the new K/V rows; return logits
+        [B, V] (decode only)."""
+        feeds = {"input_ids": ids, **inputs, "attention_mask": self.buffer.attention_mask(ids.shape[0], mask)}
         logits, present = self.backend.run(graph, feeds, self.buffer)
         self.buffer.write(present, mask)
         return logits
@@ -205,11 +228,14 @@ class Generation:
         # after the cached rows
         positions = self.buffer.length + np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         if self.path == "pop" and self.folded and ids.shape[1] > 1:
-            return self.step("prefill", ids, positions, mask)  # x_N's logits come out of the same call
+            # x_N's logits come out of the same call
+            return self.step("prefill", ids, self.feeds.prompt(slice(None), positions), mask)
         split = ids.shape[1] - 1 if self.path == "pop" else 0
         if split > 0:
-            self.step("prefill", ids[:, :split], positions[:, :split], mask[:, :split])
-        return self.step("decode", ids[:, split:], positions[:, split:], mask[:, split:])
+            head = slice(0, split)
+            self.step("prefill", ids[:, head], self.feeds.prompt(head, positions[:, head]), mask[:, head])
+        tail = slice(split, None)
+        return self.step("decode", ids[:, tail], self.feeds.prompt(tail, positions[:, tail]), mask[:, tail])
 
     def run(self, prompts: list[list[int]], resume: bool = False) -> list[GenerationResult]:
         """Generate for every prompt; ``on_text`` gets each new piece of text as it decodes (``resume``:
@@ -270,8 +296,8 @@ class Generation:
             full = self.buffer.length >= self.buffer.layout.max_seq
             if self.stop.all_finished or steps + 1 >= self.sampling.max_new_tokens or full:
                 return steps
-            logits = self.step("decode", tokens[:, None].astype(np.int64), positions[:, None],
-                               np.ones((batch, 1), np.int64))
+            logits = self.step("decode", tokens[:, None].astype(np.int64),
+                               self.feeds.step(positions[:, None]), np.ones((batch, 1), np.int64))
             positions, steps = positions + 1, steps + 1
             tokens = self.sampler(logits)
 

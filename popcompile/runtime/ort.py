@@ -19,6 +19,7 @@ from ..engine.verify import HashCache, verify_folder
 from ..errors import ConfigError, EngineError, EnvironmentUnavailable
 from .kvbuffer import KVBuffer
 from .loop import HostBackend, StepOutputs
+from .multimodal import Images
 from .ort_load import check_external_data, check_signature, load_graph, vocab_size
 from .session import Session
 
@@ -183,6 +184,11 @@ class OrtSession(Session):
             check_external_data(self.folder, paths[name], self.manifest.weights)
         self.sessions = {name: load_graph(paths[name], options, providers) for name in self.manifest.graphs}
         self._check_signatures()
+        if "vision" in paths:  # a vision-language engine: its image path (multimodal.py)
+            check_external_data(self.folder, paths["vision"], self.manifest.weights)
+            vision = load_graph(paths["vision"], options, providers)
+            self.images = Images(self.manifest.vision_section(self.folder),
+                                 lambda feeds: vision.run(None, feeds), np.dtype(self.manifest.dtype))
         shared = frozenset(g for g in self.sessions if self.manifest.shares_kv(g))
         self.backend = BoundBackend(self.sessions, self.layout, shared) if io_binding else HostBackend(
             self._run, frozenset(g for g in self.sessions if self.manifest.has_logits(g)), shared)

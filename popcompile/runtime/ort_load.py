@@ -14,7 +14,8 @@ from pathlib import Path
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from ..engine.manifest import RE_EXPORT, EngineManifest
+from ..engine.manifest import GRAPH_INPUTS, RE_EXPORT, EngineManifest
+from ..engine.vision import VISUAL_EMBEDS
 from ..errors import EngineError
 from .onnx_refs import ProtoError, external_refs
 
@@ -66,11 +67,20 @@ def check_signature(folder: Path, name: str, session: ort.InferenceSession, mani
             or [a.name for a in outputs] != list(manifest.expected_outputs(name))):
         raise EngineError(f"{folder}: {name} graph's inputs/outputs differ from the manifest: {RE_EXPORT}")
     kv_type = KV_TYPES[layout.dtype]
+    vision = manifest.vision_section(folder)
     for arg in [*inputs, *outputs]:
         shape = list(arg.shape)
         if arg.name == "logits":
             ok, want = arg.type in LOGITS_TYPES and len(shape) == 2, "float logits [batch, vocab]"
-        elif arg.name in manifest.expected_inputs()[:3]:
+        elif arg.name == "position_ids" and vision is not None:  # M-RoPE: time, height, width rows
+            ok = arg.type == "tensor(int64)" and shape[:1] == [3] and len(shape) == 3
+            want = "int64 [3, batch, tokens]"
+        elif arg.name == VISUAL_EMBEDS:
+            rows = 1 + vision.deepstack
+            ok = arg.type == kv_type and len(shape) == 4 and shape[0] == rows
+            ok = ok and shape[3] == vision.hidden_size
+            want = f"{kv_type}[{rows}, batch, tokens, {vision.hidden_size}] (the vision section)"
+        elif arg.name in GRAPH_INPUTS:
             ok, want = arg.type == "tensor(int64)" and len(shape) == 2, "int64 [batch, tokens]"
         else:
             ok = arg.type == kv_type and len(shape) == 4 and shape[1] == layout.num_kv_heads \
