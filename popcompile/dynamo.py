@@ -147,8 +147,7 @@ class PopBackend:
     def _plan(self, gm: fx.GraphModule, opts: PopOptions):
         layers = find_layers(gm.graph)
         if not layers:
-            return ("fallback",
-                    "no decoder layers ('layers.<i>' modules with an input_layernorm) in the graph", None)
+            return "fallback", _NO_LAYERS, None
         hidden = layers[0].input.meta.get("example_value")
         if hidden is None or hidden.dim() != 3:
             return "fallback", "the first layer's input has no [batch, seq, hidden] shape", None
@@ -179,6 +178,10 @@ class PopBackend:
             warnings.warn(f"popcompile: graph runs unpruned: {reason}", PopFallbackWarning, stacklevel=2)
 
 
+_NO_LAYERS = ("no decoder layers ('layers.<i>' modules with an input_layernorm) in the graph (a graph break "
+              "inside the model? a vision-language model's image placement breaks the graph unless "
+              "torch._dynamo.config.capture_dynamic_output_shape_ops and capture_scalar_outputs are True: "
+              "docs/torch_compile.md)")
 _ALL_ROWS = ("the call asks for logits at more than the last position; POP computes only the last "
              "(pass logits_to_keep=1, as generate() does)")
 
