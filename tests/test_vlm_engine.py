@@ -163,3 +163,17 @@ def test_cli_exports_a_vision_language_model_folder_and_refuses_a_low_cut(tmp_pa
                  "none", "--max-seq", "96", "--min-prompt-tokens", "0", "--json"]) == 0
     manifest = EngineManifest.read(tmp_path / "engine")
     assert manifest.cut == 2 and manifest.vision["graph"]["file"] == "vision.onnx"
+
+
+def test_the_three_graphs_pass_the_tensorrt_check(model, tmp_path):
+    """Exported with standard ops (what TensorRT takes), the vision graph and both text graphs pass
+    ``popcompile check --target tensorrt``."""
+    from popcompile.exporters.targets import OnnxTarget
+    from popcompile.exporters.tensorrt_compat import check_engine
+
+    folder = tiny_vl_engine(tmp_path / "standard", model, cut=CUT, max_seq=160,
+                            target=OnnxTarget(attention="standard"))
+    report = check_engine(folder)
+    assert report.ok, report.failures
+    graphs = {finding.graph for finding in report.findings}
+    assert {"vision", "prefill", "decode"} <= graphs

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
 from ..config import ATTENTION_LOWERINGS, WeightQuantization
+from ..engine.manifest import GRAPH_INPUTS as TEXT_INPUTS
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
 from .steps import ONNX_STEPS, onnx_write_steps
@@ -132,8 +133,14 @@ class TensorRTTarget:
         require_gpu()  # TensorRTUnavailable naming what is missing, before the long ONNX export
 
     def write(self, folder: Path, compiled: Compiled, step: Step) -> EngineManifest:
+        from ..errors import UnsupportedModelError
         from .tensorrt import plan_engines
 
+        if compiled.pair.inputs != TEXT_INPUTS:
+            raise UnsupportedModelError(
+                "TensorRT plans for vision-language models (a vision plan, image inputs in the runtime) are "
+                "not built yet: export --target onnx --attention standard; `popcompile check DIR --target "
+                "tensorrt` checks its three graphs for TensorRT")
         manifest = OnnxTarget(attention="standard").write(folder, compiled, step)
         return plan_engines(folder, manifest, self.build, step, force=True)
 

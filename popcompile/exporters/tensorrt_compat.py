@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 from onnx import numpy_helper
@@ -157,7 +158,8 @@ def dynamic_dims(path_or_proto: str | Path | onnx.ModelProto) -> dict[str, list]
 
 
 def check_engine(folder: str | Path) -> CompatReport:
-    """Check both graphs of an engine folder (file names from its manifest) against the support matrix."""
+    """Check both graphs of an engine folder (file names from its manifest; a vision-language engine's vision
+    graph too) against the support matrix."""
     from google.protobuf.message import DecodeError
 
     from ..engine.manifest import RE_EXPORT, EngineManifest
@@ -168,11 +170,13 @@ def check_engine(folder: str | Path) -> CompatReport:
     folder = Path(folder)
     findings: list[Finding] = []
     dims = {}
-    for name in ("prefill", "decode"):
+    entries = {name: (f"graphs.{name}.file", manifest.graphs[name]) for name in ("prefill", "decode")}
+    vision = manifest.vision_section(folder)
+    if vision is not None:
+        entries["vision"] = ("vision.graph.file", SimpleNamespace(**vision.graph))
+    for name, (key, entry) in entries.items():
         # inside the folder, the manifest's size and sha256 (docs/reliability.md)
-        entry = manifest.graphs[name]
-        path = verify_file(folder, entry.file, f"graphs.{name}.file", entry.bytes, entry.sha256,
-                           HashCache(None))
+        path = verify_file(folder, entry.file, key, entry.bytes, entry.sha256, HashCache(None))
         try:
             proto = _load(path)
         except (DecodeError, ValueError, OSError) as err:
