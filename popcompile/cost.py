@@ -18,6 +18,18 @@ residual adds and the embedding gather are ignored (they are O(hidden) per token
 With ``cut == L``, ``layer(0, N-1) + layer(N-1, 1) == layer(0, N)`` term by term, so
 ``pop(N, L) == full(N)`` exactly: the sums are done in integers. Attention is counted as full
 causal attention for every layer (sliding-window layers, e.g. Gemma 3's local ones, cost less).
+
+A vision-language model (Qwen3-VL) runs its vision tower on every image before either prefill, the same
+work for full and POP. Per image of ``P`` patches (``e`` width, ``F_v`` MLP width, ``m`` merge, ``c`` the
+patch's values C*T*p*p, ``d`` the text width, ``k`` deepstack mergers), attention bidirectional over the
+image's own patches::
+
+    embed      = 2*P*c*e
+    block      = 2*P*e*3e + 4*e*P^2 + 2*P*e*e + 2 * 2*P*e*F_v        qkv, attention, proj, fc1 + fc2
+    merger     = 2*(P/m^2)*(e*m^2)^2 + 2*(P/m^2)*(e*m^2)*d           fc1, fc2 (1 + k of them)
+    vision(P)  = embed + depth * block + (1 + k) * merger
+
+    full_vl = sum vision(P_i) + full(N)      pop_vl = sum vision(P_i) + pop(N, cut)
 """
 from __future__ import annotations
 
@@ -112,3 +124,54 @@ def speedup_bound(config: Any, n_tokens: int, cut: int) -> float:
     if cut is None:
         raise ValueError("speedup_bound needs a cut")
     return prefill_flops(g, n_tokens) / prefill_flops(g, n_tokens, cut)
+
+
+_VISION_FIELDS = ("hidden_size", "intermediate_size", "depth", "patch_size", "temporal_patch_size",
+                  "in_channels", "spatial_merge_size", "out_hidden_size")
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """The shape numbers of a vision tower that its FLOPs depend on (Qwen3-VL's ``vision_config``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    deepstack: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> "VisionGeometry":
+        """From a VLM's HF config (its ``vision_config``) or the vision config itself."""
+        vision = getattr(config, "vision_config", config)
+        values = {name: getattr(vision, name) for name in _VISION_FIELDS}
+        return cls(**values, deepstack=len(getattr(vision, "deepstack_visual_indexes", ()) or ()))
+
+    def image(self, patches: int) -> int:
+        """FLOPs of one image of ``patches`` patches through the tower (module docstring)."""
+        e, m2 = self.hidden_size, self.spatial_merge_size ** 2
+        values = self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        block = 2 * patches * e * 3 * e + 4 * e * patches * patches + 2 * patches * e * e \
+            + 2 * 2 * patches * e * self.intermediate_size
+        merged = patches // m2
+        merger = 2 * merged * (e * m2) ** 2 + 2 * merged * e * m2 * self.out_hidden_size
+        return 2 * patches * values * e + self.depth * block + (1 + self.deepstack) * merger
+
+
+def vlm_prefill_flops(config: Any, n_tokens: int, image_patches: list[int], cut: int | None = None) -> float:
+    """FLOPs to the first token of a vision-language prompt of ``n_tokens`` tokens (image tokens included)
+    whose images have ``image_patches`` patches each: the vision tower on every image, then the text
+    decoder's prefill (``prefill_flops``: full, or POP at ``cut``)."""
+    vision = VisionGeometry.from_config(config)
+    text = getattr(config, "text_config", config)
+    return float(sum(vision.image(p) for p in image_patches)) + prefill_flops(text, n_tokens, cut)
+
+
+def vlm_speedup_bound(config: Any, n_tokens: int, image_patches: list[int], cut: int) -> float:
+    """full / POP FLOPs to the first token, the vision tower counted in both."""
+    return vlm_prefill_flops(config, n_tokens, image_patches) / vlm_prefill_flops(config, n_tokens,
+                                                                                   image_patches, cut)

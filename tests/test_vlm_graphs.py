@@ -90,3 +90,31 @@ def test_vision_encoder_graph_is_the_vision_tower_one_image_at_a_time(model, siz
                                        rtol=1e-5)
             torch.testing.assert_close(deep, deepstack[:, token:token + tokens], atol=1e-5, rtol=1e-5)
             patch, token = patch + patches, token + tokens
+
+
+@pytest.mark.parametrize("grid", [(4, 6), (8, 8)])
+def test_vision_flops_are_the_towers_counted_flops(model, grid):
+    """cost.VisionGeometry.image equals torch's FLOP counter on the vision graph plus attention's 4*e*P^2 per
+    block (CPU attention runs a path the counter does not see)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.vision_utils import (
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    from popcompile.cost import VisionGeometry, vlm_prefill_flops, vlm_speedup_bound
+    from popcompile.frontend.vision_encoder import VisionEncoder
+
+    visual, patches = model.model.visual, grid[0] * grid[1]
+    thw = torch.tensor([[1, *grid]])
+    taps, weights = get_vision_interpolation_indices_and_weights(
+        thw, visual.num_grid_per_side, mode="bilinear", align_corners=True, spatial_merge_size=2)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        VisionEncoder(visual)(torch.randn(patches, 96), taps, weights, get_vision_position_ids(thw, 2))
+    attention = 4 * visual.config.hidden_size * patches ** 2 * visual.config.depth
+    geometry = VisionGeometry.from_config(model.config)
+    assert geometry.image(patches) == counter.get_total_flops() + attention
+    tokens = 20 + patches // 4
+    full = vlm_prefill_flops(model.config, tokens, [patches])
+    assert full > vlm_prefill_flops(model.config, tokens, [patches], cut=CUT) > geometry.image(patches)
+    assert vlm_speedup_bound(model.config, tokens, [patches], LAYERS) == 1.0

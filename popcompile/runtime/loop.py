@@ -95,6 +95,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     prefill: str = "pop"        # what ran: "pop", or "full" (mode="full", prompts below min_prompt_tokens)
     cached_tokens: int = 0      # prompt tokens whose rows an earlier chat turn left cached (not prefilled)
+    image_s: float = 0.0        # of ttft_s: the images' preprocessing and vision graph (a VLM engine)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -196,7 +197,8 @@ class Generation:
 
     def __init__(self, backend: Backend | RunGraph, buffer: KVStore, tokenizer: EngineTokenizer,
                  sampling: SamplingConfig, mode: str, on_text: Callable[[str], None] | None = None,
-                 folded: bool = False, min_prompt_tokens: int = ALWAYS_POP, feeds: Feeds | None = None):
+                 folded: bool = False, min_prompt_tokens: int = ALWAYS_POP, feeds: Feeds | None = None,
+                 image_s: float = 0.0):
         if not isinstance(mode, str) or mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if on_text is not None and not callable(on_text):
@@ -211,6 +213,7 @@ class Generation:
         self.min_prompt_tokens = min_prompt_tokens  # shorter prompts prefill in full: POP would gain ~nothing
         self.path = mode
         self.feeds = feeds or TextFeeds()  # position_ids (and a VLM's image inputs) of each call
+        self.image_s = image_s  # the images' encoding before this generation: part of its TTFT
         self.results: list[GenerationResult] = []
 
     def step(self, graph: str, ids: np.ndarray, inputs: dict[str, np.ndarray],
@@ -260,11 +263,12 @@ class Generation:
         past = self.buffer.length
         start = time.perf_counter()
         first = self.sampler(self.prefill(ids, mask))
-        ttft = time.perf_counter() - start
+        prefill_s = time.perf_counter() - start
+        ttft = prefill_s + self.image_s
         generated = [[] for _ in prompts]
         streams = [_RowText(self.tokenizer, self.sampling.stop) for _ in prompts]
         steps = yield from self._decode(first, past + mask.sum(axis=1), generated, streams)
-        decode_s = time.perf_counter() - start - ttft
+        decode_s = time.perf_counter() - start - prefill_s
         texts = [self.stop.trim(self.tokenizer.decode(tokens)) for tokens in generated]
         for row, (text, stream) in enumerate(zip(texts, streams)):
             if len(text) > stream.shown:  # held back to the end: a tail that might have begun a stop string
@@ -272,8 +276,9 @@ class Generation:
         reasons = [r or "length" for r in self.stop.finish_reasons]
         self.results = [GenerationResult(
             text=text, prompt_token_ids=list(prompt), token_ids=tokens, finish_reason=reason, mode=self.mode,
-            ttft_s=ttft, prefill_tokens_per_s=sum(map(len, prompts)) / ttft,
+            ttft_s=ttft, prefill_tokens_per_s=sum(map(len, prompts)) / prefill_s,
             decode_tokens_per_s=steps * len(prompts) / decode_s if steps else 0.0, prefill=self.path,
+            image_s=self.image_s,
         ) for prompt, tokens, text, reason in zip(prompts, generated, texts, reasons)]
 
     def _decode(self, tokens: np.ndarray, lengths: np.ndarray, generated: list[list[int]],

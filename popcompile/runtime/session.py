@@ -25,6 +25,7 @@ the runtime cannot take them).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
@@ -155,7 +156,7 @@ class Session:
         self._live = None
         generation = self._generation(1, self._sampling(sampling), mode, on_text,
                                       threshold(min_prompt_tokens, self.min_prompt_tokens))
-        prepared, limit = [], None
+        prepared, limit, started = [], None, time.perf_counter()
         if self.images is not None:
             prepared = [self.images.prepare(image) for image in images]
             ids = self._fits(self.images.expand(ids, [p.grid for p in prepared]))
@@ -163,6 +164,7 @@ class Session:
         kept = self._history.keep_for(ids, generation.buffer, limit) if self._history is not None else 0
         if self.images is not None:
             generation.feeds = self.images.feeds([self.images.row(ids, kept, prepared)], len(ids) - kept)
+            generation.image_s = time.perf_counter() - started
         result = generation.run([ids[kept:]], resume=kept > 0)[0]
         cached = ids[:kept] + result.prompt_token_ids + result.token_ids[:-1]
         self._history = History(generation.buffer, cached, [p.key for p in prepared])
@@ -173,10 +175,13 @@ class Session:
                   images=None) -> tuple[Generation, list]:
         """The checked prompt ids and the Generation that runs them (generate, stream)."""
         sampling = self._sampling(sampling)
+        started = time.perf_counter()
         ids, feeds = self._prompt_inputs(prompts, chat, images)
         self._live = self._history = None
         generation = self._generation(len(ids), sampling, mode, on_text,
                                       threshold(min_prompt_tokens, self.min_prompt_tokens), feeds)
+        if self.images is not None:
+            generation.image_s = time.perf_counter() - started
         return generation, ids
 
     def _prompt_inputs(self, prompts, chat, images) -> tuple[list[list[int]], Feeds | None]:

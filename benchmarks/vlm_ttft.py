@@ -1,0 +1,158 @@
+"""TTFT of POP vs full for image prompts on a vision-language ONNX engine, next to the FLOP bound of the cut
+with the vision tower counted (popcompile.cost.vlm_speedup_bound).
+
+Speed does not depend on the weights' values: the model is a random Qwen3-VL with Qwen3-VL-2B's widths
+(text: hidden 2048, 16 heads of 128, 8 KV heads, MLP 6144; vision: hidden 1024, 16 heads, MLP 4096, patch
+16, merge 2) and fewer layers so that a run fits this 2-core machine (default 6 text layers, cut 4: a
+third pruned; 5 vision blocks, deepstack after vision blocks 0, 2, 4: depths 28:24 as in
+Qwen3-VL-2B), and a 32k vocabulary (the LM head
+runs on one position; the vocabulary only sizes the embedding table). Depth is scaled, not width, so the
+vision tower's share of the work per token stays Qwen3-VL-2B's.
+
+One square image per prompt (512, 1024, 2048 pixels a side: 256, 1024, 4096 image tokens) and a 32-token
+question. Each image size runs in its own process: the engine is loaded once, then POP and full run
+interleaved (pop, full, full, pop, ...), one new token each; TTFT is from the call to the first token,
+image preprocessing and the vision graph included (GenerationResult.ttft_s), and the text prefill alone is
+reported beside it (ttft_s - image_s).
+
+    python benchmarks/vlm_ttft.py --sizes 512 1024 2048 --reps 3 > vlm.md
+    python benchmarks/vlm_ttft.py --text-layers 28 --vision-depth 24   # Qwen3-VL-2B's depth (hours here)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
+QUESTION = 32
+IDS = {"image_token_id": 32000, "video_token_id": 32001, "vision_start_token_id": 32002,
+       "vision_end_token_id": 32003}
+
+
+def config(text_layers: int, vision_depth: int):
+    import transformers
+
+    deepstack = list(range(0, vision_depth, 2))[:3]
+    text = dict(vocab_size=32768, num_hidden_layers=text_layers, hidden_size=2048, intermediate_size=6144,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
+                  num_position_embeddings=2304, deepstack_visual_indexes=deepstack)
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **IDS)
+
+
+def tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(32000)}
+    vocab.update({"<|image_pad|>": 32000, "<|video_pad|>": 32001, "<|vision_start|>": 32002,
+                  "<|vision_end|>": 32003, "<unk>": 32004, "</s>": 32005})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="</s>",
+        additional_special_tokens=["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+
+
+def engine(text_layers: int, vision_depth: int, cut: int) -> Path:
+    folder = CACHE / f"qwen3vl-2b-widths-{text_layers}x{vision_depth}-cut{cut}"
+    if (folder / "popcompile.json").exists():
+        return folder
+    import torch
+    import transformers
+
+    from popcompile.driver import export
+    from popcompile.frontend.models import LoadedModel, ModelSource
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config(text_layers, vision_depth)).eval()
+    source = ModelSource(name="qwen3-vl-2b-widths (random)", kind="folder", path=str(folder) + "-source",
+                         sha256=None)
+    export(LoadedModel(model, tokenizer(), source), folder, cut=cut, kv_calibration="none",
+           min_prompt_tokens=0, max_seq=4096 + QUESTION + 16)
+    return folder
+
+
+def worker(folder: Path, side: int, reps: int) -> dict:
+    """One image size in this process: interleaved POP and full runs of one prompt."""
+    import numpy as np
+    from PIL import Image
+
+    from popcompile.runtime import open_session
+
+    session = open_session(folder)
+    image = Image.fromarray(np.random.default_rng(side).integers(0, 256, (side, side, 3), dtype=np.uint8))
+    prompt = " ".join(f"w{i}" for i in range(QUESTION))
+    one = {"max_new_tokens": 1, "greedy": True}
+    session.generate(prompt, one, images=[image], chat=False)  # warm-up: arenas, kernels
+    runs = {"pop": [], "full": []}
+    for rep in range(reps):
+        for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
+            result = session.generate(prompt, one, images=[image], chat=False, mode=mode)[0]
+            runs[mode].append({"ttft_s": result.ttft_s, "image_s": result.image_s})
+    tokens = len(result.prompt_token_ids)
+    patches = 4 * result.prompt_token_ids.count(IDS["image_token_id"])
+    return {"side": side, "tokens": tokens, "patches": patches, "runs": runs}
+
+
+def summarize(row: dict, model_config, cut: int) -> dict:
+    from popcompile.cost import speedup_bound, vlm_speedup_bound
+
+    median = {mode: statistics.median(r["ttft_s"] for r in runs) for mode, runs in row["runs"].items()}
+    text = {mode: statistics.median(r["ttft_s"] - r["image_s"] for r in runs)
+            for mode, runs in row["runs"].items()}
+    vision = statistics.median(r["image_s"] for runs in row["runs"].values() for r in runs)
+    bound = vlm_speedup_bound(model_config, row["tokens"], [row["patches"]], cut)
+    text_bound = speedup_bound(model_config.text_config, row["tokens"], cut)
+    ratio, text_ratio = median["full"] / median["pop"], text["full"] / text["pop"]
+    return {**row, "full_s": median["full"], "pop_s": median["pop"], "vision_s": vision, "ratio": ratio,
+            "bound": bound, "of_bound": ratio / bound, "text_full_s": text["full"], "text_pop_s": text["pop"],
+            "text_ratio": text_ratio, "text_bound": text_bound, "text_of_bound": text_ratio / text_bound}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048], help="image sides, pixels")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--text-layers", type=int, default=6)
+    parser.add_argument("--vision-depth", type=int, default=5)
+    parser.add_argument("--cut", type=int, help="default: a third of the text layers pruned")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cut = args.cut or args.text_layers - args.text_layers // 3
+    folder = engine(args.text_layers, args.vision_depth, cut)
+    if args.worker:
+        print(json.dumps(worker(folder, args.worker, args.reps)))
+        return
+    model_config = config(args.text_layers, args.vision_depth)
+    rows = []
+    for side in args.sizes:
+        command = [sys.executable, __file__, "--worker", str(side), "--reps", str(args.reps), "--text-layers",
+                   str(args.text_layers), "--vision-depth", str(args.vision_depth), "--cut", str(cut)]
+        out = subprocess.run(command, capture_output=True, text=True, check=True)
+        rows.append(summarize(json.loads(out.stdout.strip().splitlines()[-1]), model_config, cut))
+        print(f"done {side}px", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print(f"Qwen3-VL-2B widths, {args.text_layers} text layers (cut {cut}), {args.vision_depth} vision "
+          f"blocks, onnxruntime CPU fp32, median of {args.reps}\n")
+    print("| image | tokens | vision s | full TTFT s | POP TTFT s | full/POP | bound | of bound "
+          "| text full/POP | text bound | of bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['side']}x{r['side']} | {r['tokens']} | {r['vision_s']:.2f} | {r['full_s']:.2f} | "
+              f"{r['pop_s']:.2f} | {r['ratio']:.3f} | {r['bound']:.3f} | {r['of_bound']:.1%} | "
+              f"{r['text_ratio']:.3f} | {r['text_bound']:.3f} | {r['text_of_bound']:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
