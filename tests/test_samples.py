@@ -147,6 +147,36 @@ def test_readme_python_snippets_are_sample_regions():
     found = regions()
     readme = python_blocks(ROOT / "README.md")
     docs = [block for doc in sorted((ROOT / "docs").glob("*.md")) for block in python_blocks(doc)]
-    assert set(found) == {"export_and_run", "chat", "torch_compile", "tensorrt_deploy", "vllm"}
+    assert set(found) == {"export_and_run", "chat", "torch_compile", "tensorrt_deploy", "vllm", "vlm"}
     assert [block for block in readme + docs if block not in found.values()] == []  # no snippet of its own
     assert [name for name, body in found.items() if body not in readme] == []  # every region in the README
+
+
+def test_vlm_compiles_a_qwen3_vl_folder_and_answers_about_images(tmp_path):
+    """samples/vlm.py on a tiny random Qwen3-VL folder: compiled into --out, then POP and full on two
+    images (tests/test_vlm_engine.py holds their tokens to the reference)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from tiny import tiny_vlm
+    from tiny_engine import VL_PREPROCESSOR, tiny_vl_tokenizer
+
+    folder, out = tmp_path / "qwen3-vl", tmp_path / "engine"
+    tiny_vlm().save_pretrained(folder)
+    tiny_vl_tokenizer().save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    rng = np.random.default_rng(0)
+    for name, size in (("a.png", (24, 40)), ("b.png", (32, 16))):
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / name)
+    done = run_sample("vlm.py", "--model", folder, "--out", out, "--image", tmp_path / "a.png", "--image",
+                      tmp_path / "b.png", "--question", "t5 t6 t7", "--kv-calibration", "none",
+                      "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["pop", "full"], done.stdout
+    pattern = r"\w+: \d+ prompt tokens, first token after [\d.]+ s \([\d.]+ s in the vision tower\)"
+    assert all(re.match(pattern, line) for line in lines)
+    assert (out / "vision.onnx").is_file()
+    missing = run_sample("vlm.py", "--out", tmp_path / "none", "--image", tmp_path / "a.png")
+    assert missing.returncode == 2 and "holds no engine: give --model" in missing.stderr

@@ -88,9 +88,12 @@ def test_images_from_files_where_the_prompt_writes_them(model, session, tmp_path
 
 
 def test_text_only_prompts_and_the_manifest(model, engine, session):
+    from popcompile.commands.info import summary
+
     manifest = EngineManifest.read(engine)
     assert manifest.format_version == 4 and manifest.vision["deepstack"] == 2
     assert manifest.vision["processing"]["max_pixels"] == 48 * 48  # read from preprocessor_config.json
+    assert "vision: vision.onnx, one image a call" in summary(engine, manifest)
     result = session.generate("t5 t6 t7 t8 t9", GREEDY, chat=False)[0]
     ids = torch.tensor([result.prompt_token_ids])
     assert result.token_ids == reference.generate(model, ids, NEW, reference.Variant(cut=CUT))

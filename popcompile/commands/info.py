@@ -30,7 +30,20 @@ def summary(folder: Path, manifest) -> str:
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
             f"{_weights(manifest)}"
             f"{_attention(manifest)}"
+            f"{_vision(manifest)}"
             f"{_threshold(manifest)}")
+
+
+def _vision(manifest) -> str:
+    """One line for a vision-language engine: its vision graph and how images become tokens."""
+    v = manifest.vision
+    if not v:
+        return ""
+    p = v["processing"]
+    side = p["patch_size"] * p["merge_size"]
+    return (f"vision: {v['graph']['file']}, one image a call (run --image PATH), deepstack into layers "
+            f"0..{v['deepstack'] - 1}; an image token per {side}x{side} pixels, {p['min_pixels']}.."
+            f"{p['max_pixels']} pixels an image\n")
 
 
 def _weights(manifest) -> str:
