@@ -180,3 +180,24 @@ def test_the_three_graphs_pass_the_tensorrt_check(model, tmp_path):
     assert report.ok, report.failures
     graphs = {finding.graph for finding in report.findings}
     assert {"vision", "prefill", "decode"} <= graphs
+
+
+def test_eval_scores_pop_on_synthetic_image_prompts(tmp_path, capsys):
+    """``popcompile eval`` of a Qwen3-VL folder runs the images task (its default) through the reference:
+    full agrees with itself, every variant is scored against it; a text-only variant is refused."""
+    from tiny_engine import VL_PREPROCESSOR, tiny_vl_tokenizer
+
+    folder = tmp_path / "qwen3-vl"
+    tiny_vlm().save_pretrained(folder)
+    tiny_vl_tokenizer().save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    capsys.readouterr()
+    assert main(["eval", str(folder), "--variants", "full,pop,pop-no-boundary", "--limit", "3",
+                 "--gen-tokens", "4", "--out", str(tmp_path / "eval")]) == 0, capsys.readouterr().err
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    task = results["tasks"]["images"]
+    assert list(results["tasks"]) == ["images"] and task["prompts"] == 3 and min(task["image_tokens"]) > 0
+    assert task["variants"]["full"]["exact_match"] == 1.0 and task["variants"]["full"]["first_token"] == 1.0
+    assert set(task["variants"]) == {"full", "pop", "pop-no-boundary"}
+    assert main(["eval", str(folder), "--variants", "full,wanda", "--out", str(tmp_path / "bad")]) == 2
+    assert "wanda is not run on a vision-language model" in capsys.readouterr().err

@@ -13,8 +13,10 @@ from ...config import DistillConfig, is_prune_ratio
 from ...errors import ConfigError, OutputError
 from ...fsutil import check_destination
 
-TASKS = ("continuation", "generation", "humaneval", "chat")
+TASKS = ("continuation", "generation", "humaneval", "chat", "images")
 DEFAULT_TASKS = ("continuation", "generation")
+#: a vision-language model's default: its answers about images (images.py)
+VISION_TASKS = ("images",)
 #: what `eval --out` writes (replaced only with --force)
 OUTPUT_FILES = ("results.json", "quality.png", "sweep.png")
 #: the variants the chat task runs, each from a fresh prefill and with the cache carried across turns

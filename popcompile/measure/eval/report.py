@@ -102,6 +102,10 @@ def _panels(results: dict) -> list[tuple[str, dict[str, float], bool]]:
     if "humaneval" in t:
         v = t["humaneval"]["variants"]
         panels += [("humaneval: pass@1", {n: x["pass@1"] for n, x in v.items()}, False)]
+    if "images" in t:
+        v = t["images"]["variants"]
+        panels += [("images: first token equal to full", {n: x["first_token"] for n, x in v.items()}, False),
+                   ("images: matched prefix (tokens)", {n: x["matched_prefix"] for n, x in v.items()}, False)]
     return panels
 
 
@@ -170,7 +174,7 @@ def write_results(results: dict, out: Path, force: bool = False) -> None:
     check_output_folder(out, force)  # again: another run may have written there meanwhile
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "results.json", json.dumps(results, indent=1))
-    if results["tasks"]:
+    if _panels(results):  # a task without a plotted metric writes no quality.png
         with atomic_path(out / "quality.png") as tmp:
             plot_quality(results, tmp)
     if "sweep" in results:

@@ -20,7 +20,9 @@ after a prefilled prefix, and top-1 agreement with the full model), ``generation
 generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
 runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
 ``humaneval.py``), ``chat`` (three-turn conversations: POP with the cache carried across turns, as
-``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``--sweep`` runs
+``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``images`` (a
+vision-language model: greedy answers about synthetic images, every variant against full; ``images.py``;
+its default task). ``--sweep`` runs
 the continuation task for ``pop`` and ``pop-kvfit`` (and ``pop-distill`` when named) at every cut
 from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
 choice ``choose_cut``).
@@ -33,15 +35,17 @@ cuts and ``--sweep`` need the model and are refused for an engine folder.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
 from . import data as eval_data
 from .chat import chat_task
-from .config import EvalConfig, check_output_folder
+from .config import DEFAULT_TASKS, VISION_TASKS, EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
 from .humaneval import humaneval_eval
+from .images import images_task
 from .report import write_results
 from .scoring import (
     check_variants_apply,
@@ -81,9 +85,13 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     """Every task of ``c`` through reference.py on a loaded model."""
     from ...config import resolve_cut
     from ...cost import speedup_bound
+    from ...frontend.vision import is_vision_language
 
     model, tok = loaded.model, loaded.tokenizer
     layers = num_layers(model)
+    vision = is_vision_language(model)
+    if vision and c.tasks == DEFAULT_TASKS:
+        c = dataclasses.replace(c, tasks=VISION_TASKS)
     cut = resolve_cut(layers, c.cut, c.prune_ratio)
     curves = sweep_variant_names(c.variants)
     kv_fit = default_kv_fit(loaded, sweep_cuts(layers) if c.sweep and "pop-kvfit" in curves else ())
@@ -95,7 +103,7 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     results: dict[str, Any] = {
         "model": model_name, "model_type": model.config.model_type, "num_layers": layers, "cut": cut,
         "prefix_len": c.prefix_len, "cont_len": c.cont_len,
-        "speedup_bound": speedup_bound(model.config, c.prefix_len, cut),
+        "speedup_bound": speedup_bound(model.config.get_text_config(), c.prefix_len, cut),
         "variants": {n: describe(v) for n, v in variants.items()}, "limit": c.limit, "tasks": {},
     }
     docs, skipped = (eval_data.continuation_documents(tok, c.prefix_len, c.cont_len, c.limit)
@@ -110,6 +118,12 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
                                                                   c.gen_tokens))
     if "chat" in c.tasks:
         t["chat"] = timed(lambda: chat_task(model, tok, variants, c.limit, c.gen_tokens))
+    if "images" in c.tasks:
+        if not vision:
+            raise ConfigError(f"the images task asks a vision-language model about images; {model_name} is a "
+                              f"text model ({model.config.model_type}): drop images from --tasks")
+        t["images"] = timed(lambda: images_task(model, tok, variants, c.limit, c.gen_tokens,
+                                                getattr(loaded.source, "path", None)))
     if "humaneval" in c.tasks:
         problems = eval_data.humaneval_problems()[:c.limit]
         t["humaneval"] = timed(lambda: {

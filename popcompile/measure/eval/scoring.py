@@ -132,11 +132,20 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
     return fit
 
 
+#: the variants a vision-language model runs (the reference's image path): POP and its boundary ablation
+#: against full, with POP+ (fitted on the text corpus)
+VISION_VARIANTS = ("full", "pop", "pop-kvfit", "pop-no-boundary")
+
+
 def variant_refusal(model, name: str) -> str | None:
     """Why variant ``name`` cannot run on ``model`` (one line), or None (slicegpt: where the norms forbid
-    the rotation)."""
+    the rotation; a vision-language model: the variants of VISION_VARIANTS only)."""
+    from ...frontend.vision import is_vision_language
     from .baselines import slicegpt_refusal
 
+    if is_vision_language(model) and name not in VISION_VARIANTS:
+        return (f"{name} is not run on a vision-language model ({model.config.model_type}): choose from "
+                f"{', '.join(VISION_VARIANTS)}")
     return slicegpt_refusal(model.config) if name == "slicegpt" else None
 
 

@@ -72,7 +72,7 @@ def sweep(model, docs: list[eval_data.Document], cuts: list[int] | None = None, 
     scores = continuation_eval(model, docs, to_score, batch_size, desc="sweep")
     n = len(docs[0].prefix)
     return [{"variant": name, "cut": c, "pruned_layers": layers - c,
-             "speedup_bound": speedup_bound(model.config, n, c),
+             "speedup_bound": speedup_bound(model.config.get_text_config(), n, c),
              **{k: scores[keys[(name, c)]][k] for k in METRICS}} for name in names for c in cuts]
 
 
