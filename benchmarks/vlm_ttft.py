@@ -12,13 +12,20 @@ vision tower's share of the work per token stays Qwen3-VL-2B's.
 Square images (512 and 1024 pixels a side: 256 and 1024 image tokens; four of 1024 pixels, ``1024x4``:
 4096 image tokens) and a 32-token question. One 2048-pixel image (16384 patches, 4096 tokens) does not fit
 this machine's 24 GiB: the vision graph's attention runs as MatMul + Softmax on onnxruntime's CPU provider,
-whose scores for one image are 16 heads x 16384^2 floats (17 GiB). Each image size runs in its own process: the engine is loaded once, then POP and full run
-interleaved (pop, full, full, pop, ...), one new token each; TTFT is from the call to the first token,
+whose scores for one image are 16 heads x 16384^2 floats (17 GiB). Each image size runs in its own
+process: the engine is loaded once, then POP and full run interleaved (pop, full, full, pop, ...), one new
+token each; TTFT is from the call to the first token,
 image preprocessing and the vision graph included (GenerationResult.ttft_s), and the text prefill alone is
 reported beside it (ttft_s - image_s).
 
     python benchmarks/vlm_ttft.py --sizes 512 1024 1024x4 --reps 3 > vlm.md
     python benchmarks/vlm_ttft.py --text-layers 28 --vision-depth 24   # Qwen3-VL-2B's depth (hours here)
+    python benchmarks/vlm_ttft.py --runtime torch --inner inductor      # torch.compile: "inductor" vs "pop"
+
+``--runtime torch``: the same random model in PyTorch, its forward compiled twice with ``dynamic=True`` (the
+inner backend alone, and backend "pop" over it; the dynamo flags of docs/torch_compile.md), one prefill call
+with the images (``logits_to_keep=1``, as ``generate`` makes it) is the TTFT, vision tower included; the
+compile (the first call) is excluded.
 """
 from __future__ import annotations
 
@@ -112,6 +119,58 @@ def worker(folder: Path, size: str, reps: int) -> dict:
     return {"size": size, "images": count, "tokens": tokens, "patches": patches, "runs": runs}
 
 
+def torch_worker(size: str, reps: int, text_layers: int, vision_depth: int, cut: int, inner: str) -> dict:
+    """One image size with torch.compile: interleaved calls of the inner backend and of "pop" over it."""
+    import time
+
+    import numpy as np
+    import torch
+    import transformers
+    from PIL import Image
+
+    from popcompile.dynamo import PopBackend, PopOptions
+    from popcompile.frontend.vision import image_processing
+    from popcompile.runtime.vision import ImageProcessing, image_tokens, preprocess
+
+    side, count = parse_size(size)
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config(text_layers, vision_depth)).eval()
+    raw = image_processing(model.config, None)
+    processing = ImageProcessing(**{**raw, "image_mean": tuple(raw["image_mean"]),
+                                    "image_std": tuple(raw["image_std"])})
+    rng = np.random.default_rng(side)
+    done = [preprocess(Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), processing)
+            for _ in range(count)]
+    ids = []
+    for _, grid in done:
+        ids += [IDS["vision_start_token_id"], *[IDS["image_token_id"]] * image_tokens(grid, 2),
+                IDS["vision_end_token_id"]]
+    ids = torch.tensor([ids + list(range(QUESTION))])
+    inputs = {"input_ids": ids, "pixel_values": torch.tensor(np.concatenate([d[0] for d in done])),
+              "image_grid_thw": torch.tensor([[1, *d[1]] for d in done]),
+              "mm_token_type_ids": (ids == IDS["image_token_id"]).int(), "logits_to_keep": 1,
+              "use_cache": True}
+    backends = {"full": inner, "pop": PopBackend(PopOptions(cut=cut, inner=inner, min_prompt_tokens=0))}
+    flags = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}
+    runs = {"pop": [], "full": []}
+    with torch.no_grad(), torch._dynamo.config.patch(**flags):
+        calls = {}
+        for mode, backend in backends.items():
+            calls[mode] = torch.compile(model.forward, backend=backend, dynamic=True)
+            calls[mode](**inputs)  # trace and compile
+            model.model.rope_deltas = None
+        for rep in range(reps):
+            for mode in (("pop", "full") if rep % 2 == 0 else ("full", "pop")):
+                start = time.perf_counter()
+                calls[mode](**inputs)
+                runs[mode].append({"ttft_s": time.perf_counter() - start, "image_s": 0.0})
+                model.model.rope_deltas = None
+    records = [r.kind for r in backends["pop"].records]
+    assert "prefill-pop" in records, records  # the prefill was pruned, not a fallback
+    return {"size": size, "images": count, "tokens": ids.shape[1], "patches": int(done[0][0].shape[0]),
+            "runs": runs, "inner": inner}
+
+
 def summarize(row: dict, model_config, cut: int) -> dict:
     from popcompile.cost import speedup_bound, vlm_speedup_bound
 
@@ -137,10 +196,16 @@ def main() -> None:
     parser.add_argument("--vision-depth", type=int, default=5)
     parser.add_argument("--cut", type=int, help="default: a third of the text layers pruned")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--runtime", choices=("onnxruntime", "torch"), default="onnxruntime")
+    parser.add_argument("--inner", default="inductor", help="--runtime torch: the backend under pop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cut = args.cut or args.text_layers - args.text_layers // 3
-    folder = engine(args.text_layers, args.vision_depth, cut)
+    if args.worker and args.runtime == "torch":
+        print(json.dumps(torch_worker(args.worker, args.reps, args.text_layers, args.vision_depth, cut,
+                                      args.inner)))
+        return
+    folder = engine(args.text_layers, args.vision_depth, cut) if args.runtime == "onnxruntime" else None
     if args.worker:
         print(json.dumps(worker(folder, args.worker, args.reps)))
         return
@@ -148,7 +213,8 @@ def main() -> None:
     rows = []
     for size in args.sizes:
         command = [sys.executable, __file__, "--worker", size, "--reps", str(args.reps), "--text-layers",
-                   str(args.text_layers), "--vision-depth", str(args.vision_depth), "--cut", str(cut)]
+                   str(args.text_layers), "--vision-depth", str(args.vision_depth), "--cut", str(cut),
+                   "--runtime", args.runtime, "--inner", args.inner]
         out = subprocess.run(command, capture_output=True, text=True)
         if out.returncode:
             print(f"{size}: the worker failed (exit {out.returncode}): {out.stderr.strip()[-300:]}",
@@ -158,16 +224,20 @@ def main() -> None:
         print(f"done {size}", file=sys.stderr, flush=True)
         if args.json:  # after each size: a later failure keeps what was measured
             args.json.write_text(json.dumps(rows, indent=2))
+    where = "onnxruntime CPU" if args.runtime == "onnxruntime" else f"torch.compile ({args.inner} vs pop)"
     print(f"Qwen3-VL-2B widths, {args.text_layers} text layers (cut {cut}), {args.vision_depth} vision "
-          f"blocks, onnxruntime CPU fp32, median of {args.reps}\n")
+          f"blocks, {where} fp32, median of {args.reps}\n")
     print("| image | tokens | vision s | full TTFT s | POP TTFT s | full/POP | bound | of bound "
           "| text full/POP | text bound | of bound |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         side, count = parse_size(r["size"])
-        print(f"| {count} x {side}x{side} | {r['tokens']} | {r['vision_s']:.2f} | {r['full_s']:.2f} | "
-              f"{r['pop_s']:.2f} | {r['ratio']:.3f} | {r['bound']:.3f} | {r['of_bound']:.1%} | "
-              f"{r['text_ratio']:.3f} | {r['text_bound']:.3f} | {r['text_of_bound']:.1%} |")
+        text = f"{r['text_ratio']:.3f} | {r['text_bound']:.3f} | {r['text_of_bound']:.1%}"
+        if "inner" in r:  # torch: the vision tower and the text prefill are one forward call
+            text = f"(one call) | {r['text_bound']:.3f} | -"
+        vision = "-" if "inner" in r else f"{r['vision_s']:.2f}"
+        print(f"| {count} x {side}x{side} | {r['tokens']} | {vision} | {r['full_s']:.2f} | "
+              f"{r['pop_s']:.2f} | {r['ratio']:.3f} | {r['bound']:.3f} | {r['of_bound']:.1%} | {text} |")
 
 
 if __name__ == "__main__":

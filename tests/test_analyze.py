@@ -14,7 +14,7 @@ import torch
 from tiny import tiny_model
 
 from popcompile.cli import main
-from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.measure import analyze
 from popcompile.measure.gates import gate_pass
 
@@ -48,14 +48,14 @@ def windows(batch=BATCH, seed=1):
     return torch.randint(0, 97, (batch, CONTEXT + GEN))
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+@pytest.fixture(scope="module", params=sorted(DECODER_TYPES))
 def gated(request):
     model = tiny_model(request.param, layers=LAYERS)
     return request.param, model, analyze.capture_scorer(model, BATCH, CONTEXT + GEN - 1, GEN)
 
 
 def test_every_architecture_has_a_tiny_model():
-    assert set(BRANCH_MODULES) == set(ARCHITECTURES)
+    assert set(BRANCH_MODULES) == set(DECODER_TYPES)
 
 
 def test_branches_found_in_every_layer(gated):

@@ -10,7 +10,7 @@ from tiny import tiny_model
 from tiny_engine import tiny_engine
 
 from popcompile import reference
-from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.frontend.models import load_model
 from popcompile.kvfit.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
@@ -252,7 +252,7 @@ def _bias_fit(arch: str, path) -> object:
     return model, fit
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(DECODER_TYPES))
 def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
     """The exported folded prefill (fused ORT graphs, packed [Wk|Wv] + one Add of [bk|bv]) on x_1..x_N:
     rows 1..N-1 of every layer are reference.prefill_cache with the fit; x_N's logits and row are the

@@ -16,7 +16,7 @@ from popcompile import reference
 from popcompile.cli import main
 from popcompile.config import DistillConfig
 from popcompile.errors import ConfigError, InputError
-from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.kvfit.calibrate import KVFit, fit_kv, fit_kv_cuts, load_fit, save_fit
 from popcompile.kvfit.distill import (
     _own_projections,
@@ -27,7 +27,7 @@ from popcompile.kvfit.distill import (
 )
 from popcompile.reference import Variant
 
-ARCHS = sorted(ARCHITECTURES)
+ARCHS = sorted(DECODER_TYPES)
 CUT, LAYERS, CONT = 2, 4, 8
 # float32: the fast path runs the boundary and continuation in one forward, the reference in two
 LOGITS_ATOL = 1e-4
@@ -68,7 +68,7 @@ def reference_kl(model, ids: torch.Tensor, weights) -> float:
 
 
 def test_every_architecture_has_a_tiny_model():
-    assert set(ARCHITECTURES) == set(TINY)
+    assert set(DECODER_TYPES) == set(TINY)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -12,7 +12,7 @@ from tiny import tiny_model
 from popcompile import reference
 from popcompile.dynamo import PopBackend, PopFallbackWarning, PopOptions
 from popcompile.errors import ConfigError
-from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.passes.layers import layer_part
 
 TOL = 1e-5  # fp32, same kernels, different op order (last-position copies)
@@ -64,7 +64,7 @@ def prompt(seed=1, length=PROMPT_LEN):
     return torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(DECODER_TYPES))
 def test_generate_equals_pop_reference(arch):
     model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
     recorder = Recorder()

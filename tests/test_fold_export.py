@@ -10,11 +10,11 @@ from tiny import empty_past, greedy_with_graphs, run_graph, tiny_model
 
 from popcompile import reference
 from popcompile.driver import build_graphs
-from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.passes.layers import layer_part
 from popcompile.passes.pop import Projection
 
-ARCHS = sorted(ARCHITECTURES)
+ARCHS = sorted(DECODER_TYPES)
 ATOL = 1e-5  # same kernels on the same rows; reassociation in the one-row matmuls only
 CUT = 2
 

@@ -26,7 +26,7 @@ from popcompile.exporters.ort_views import drop_round_trip_views
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
-from popcompile.frontend.arch import ARCHITECTURES
+from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.runtime.ort import PopSession
 from popcompile.runtime.sampling import SamplingConfig
 
@@ -35,7 +35,7 @@ LAYERS, CUT = 4, 3
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+@pytest.fixture(scope="module", params=sorted(DECODER_TYPES))
 def graphs(request, tmp_path_factory) -> dict:
     """standard and fused sessions of both graphs of one tiny engine, and the fused forms per graph."""
     folder = tiny_engine(request.param, tmp_path_factory.mktemp(request.param) / "engine", cut=CUT,

@@ -155,17 +155,11 @@ def test_readme_python_snippets_are_sample_regions():
 def test_vlm_compiles_a_qwen3_vl_folder_and_answers_about_images(tmp_path):
     """samples/vlm.py on a tiny random Qwen3-VL folder: compiled into --out, then POP and full on two
     images (tests/test_vlm_engine.py holds their tokens to the reference)."""
-    import json
-
     import numpy as np
     from PIL import Image
-    from tiny import tiny_vlm
-    from tiny_engine import VL_PREPROCESSOR, tiny_vl_tokenizer
+    from tiny_engine import tiny_vl_folder
 
-    folder, out = tmp_path / "qwen3-vl", tmp_path / "engine"
-    tiny_vlm().save_pretrained(folder)
-    tiny_vl_tokenizer().save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    folder, out = tiny_vl_folder(tmp_path / "qwen3-vl"), tmp_path / "engine"
     rng = np.random.default_rng(0)
     for name, size in (("a.png", (24, 40)), ("b.png", (32, 16))):
         Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / name)

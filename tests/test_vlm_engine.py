@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 from tiny import tiny_vlm
-from tiny_engine import tiny_engine, tiny_vl_engine
+from tiny_engine import tiny_engine, tiny_vl_engine, tiny_vl_folder
 
 from popcompile import reference
 from popcompile.cli import main
@@ -150,12 +150,7 @@ def test_a_cut_below_the_deepstack_layers_is_refused_at_export(tmp_path, capsys)
 def test_cli_exports_a_vision_language_model_folder_and_refuses_a_low_cut(tmp_path, capsys):
     """``popcompile export FOLDER`` of a saved Qwen3-VL: the deepstack rule is one line, exit 2; a good cut
     writes an engine with its vision graph."""
-    from tiny_engine import VL_PREPROCESSOR, tiny_vl_tokenizer
-
-    folder = tmp_path / "qwen3-vl"
-    tiny_vlm(layers=3).save_pretrained(folder)
-    tiny_vl_tokenizer().save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    folder = tiny_vl_folder(tmp_path / "qwen3-vl", layers=3)
     capsys.readouterr()  # save_pretrained's progress bars
     assert main(["export", str(folder), "--out", str(tmp_path / "low"), "--cut", "1",
                  "--kv-calibration", "none"]) == 2
@@ -185,12 +180,7 @@ def test_the_three_graphs_pass_the_tensorrt_check(model, tmp_path):
 def test_eval_scores_pop_on_synthetic_image_prompts(tmp_path, capsys):
     """``popcompile eval`` of a Qwen3-VL folder runs the images task (its default) through the reference:
     full agrees with itself, every variant is scored against it; a text-only variant is refused."""
-    from tiny_engine import VL_PREPROCESSOR, tiny_vl_tokenizer
-
-    folder = tmp_path / "qwen3-vl"
-    tiny_vlm().save_pretrained(folder)
-    tiny_vl_tokenizer().save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    folder = tiny_vl_folder(tmp_path / "qwen3-vl")
     capsys.readouterr()
     assert main(["eval", str(folder), "--variants", "full,pop,pop-no-boundary", "--limit", "3",
                  "--gen-tokens", "4", "--out", str(tmp_path / "eval")]) == 0, capsys.readouterr().err

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-# model_type -> (config class, model class, extra config); every entry of arch.ARCHITECTURES needs one.
+# model_type -> (config class, model class, extra config); every entry of arch.DECODER_TYPES needs one (a
+# vision-language model's text decoder is tested inside tiny_vlm)
 TINY = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 5}),

@@ -89,6 +89,16 @@ VL_PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
                    "image_mean": [0.48, 0.46, 0.41], "image_std": [0.27, 0.26, 0.28]}
 
 
+def tiny_vl_folder(folder: str | Path, **model_kwargs) -> Path:
+    """A tiny random Qwen3-VL saved as a Hugging Face folder (weights, tokenizer, preprocessor_config.json):
+    a MODEL argument for export, eval and the samples."""
+    folder = Path(folder)
+    tiny_vlm(**model_kwargs).save_pretrained(folder)
+    tiny_vl_tokenizer().save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
+    return folder
+
+
 def tiny_vl_engine(out_dir: str | Path, model=None, **export_kwargs) -> Path:
     """Export a tiny random Qwen3-VL (tiny.tiny_vlm) as an engine folder at ``out_dir``; its source folder
     (beside it) holds the preprocessor_config.json the export reads."""

@@ -42,6 +42,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
+#: the decoders loaded on their own (a vision-language model's text decoder is loaded with its model)
+DECODER_TYPES: tuple[str, ...] = tuple(t for t, spec in ARCHITECTURES.items() if spec.part_of is None)
+
+
 def arch_spec(config) -> ArchSpec:
     """The table entry for a HF config (a vision-language model's: its text decoder's), or a ValueError
     naming the model type and what is supported."""

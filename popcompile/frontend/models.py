@@ -29,7 +29,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
-from .arch import ARCHITECTURES
+from .arch import DECODER_TYPES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 from .vision import VISION_LANGUAGE, vision_spec
 
@@ -40,8 +40,7 @@ logger = logging.getLogger(__name__)
 
 #: ``config.model_type`` values whose decoder layers popcompile knows how to prune (the arch table), and the
 #: vision-language models around such decoders (the VLM table)
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*[t for t, spec in ARCHITECTURES.items() if spec.part_of is None],
-                                          *VISION_LANGUAGE)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*DECODER_TYPES, *VISION_LANGUAGE)
 
 _GGUF_MAGIC = b"GGUF"
 # A hub id is "name" or "owner/name"; anything else that does not exist is a bad path.
