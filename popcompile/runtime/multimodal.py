@@ -127,18 +127,17 @@ class Images:
         batch = len(rows)
         positions = np.zeros((3, batch, width), np.int64)
         visual = np.zeros((1 + k, batch, width, d), self.dtype)
+        deltas = np.zeros(batch, np.int64)
         for r, row in enumerate(rows):
             new = len(row.ids) - row.cached
             columns = slice(width - new, width)
-            mrope, _ = mrope_positions(row.ids, row.grids, self.section.image_token_id,
-                                       self.processing.merge_size)
+            mrope, deltas[r] = mrope_positions(row.ids, row.grids, self.section.image_token_id,
+                                               self.processing.merge_size)
             positions[:, r, columns] = mrope[:, row.cached:]
             image = np.asarray(row.ids[row.cached:]) == self.section.image_token_id
             if image.any():
                 visual[0, r, width - new + np.flatnonzero(image)] = row.features
                 visual[1:, r, width - new + np.flatnonzero(image)] = row.deepstack
-        deltas = np.array([mrope_positions(row.ids, row.grids, self.section.image_token_id,
-                                           self.processing.merge_size)[1] for row in rows], np.int64)
         return VisionFeeds(positions, visual, deltas)
 
 
