@@ -136,8 +136,7 @@ def torch_worker(size: str, reps: int, text_layers: int, vision_depth: int, cut:
     torch.manual_seed(0)
     model = transformers.Qwen3VLForConditionalGeneration(config(text_layers, vision_depth)).eval()
     raw = image_processing(model.config, None)
-    processing = ImageProcessing(**{**raw, "image_mean": tuple(raw["image_mean"]),
-                                    "image_std": tuple(raw["image_std"])})
+    processing = ImageProcessing.from_dict(raw)
     rng = np.random.default_rng(side)
     done = [preprocess(Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), processing)
             for _ in range(count)]

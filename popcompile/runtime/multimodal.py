@@ -57,9 +57,7 @@ class Images:
 
     def __init__(self, section: VisionSection, run_vision: RunVision, dtype: np.dtype):
         self.section, self.run_vision, self.dtype = section, run_vision, dtype
-        self.processing = ImageProcessing(**{**section.processing,
-                                             "image_mean": tuple(section.processing["image_mean"]),
-                                             "image_std": tuple(section.processing["image_std"])})
+        self.processing = ImageProcessing.from_dict(section.processing)
 
     def prepare(self, image: ImageLike) -> PreparedImage:
         """One image (a path or a PIL image) preprocessed (no graph runs)."""

@@ -36,6 +36,13 @@ class ImageProcessing:
     image_std: tuple[float, float, float]
     rescale_factor: float = 1 / 255
 
+    @classmethod
+    def from_dict(cls, values: dict) -> ImageProcessing:
+        """From the manifest's ``vision.processing`` (or frontend.vision.image_processing): JSON lists to
+        tuples."""
+        return cls(**{**values, "image_mean": tuple(values["image_mean"]),
+                      "image_std": tuple(values["image_std"])})
+
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size

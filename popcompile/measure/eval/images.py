@@ -65,8 +65,7 @@ def image_prompt(model, tok, image, question: str,
 def images_task(model, tok, variants: dict, limit: int | None, gen_tokens: int, folder: Any = None) -> dict:
     """Every variant's greedy answers to the synthetic image prompts, against full (module docstring)."""
     raw = image_processing(model.config, folder)
-    processing = ImageProcessing(**{**raw, "image_mean": tuple(raw["image_mean"]),
-                                    "image_std": tuple(raw["image_std"])})
+    processing = ImageProcessing.from_dict(raw)
     count = len(QUESTIONS) if limit is None else limit
     prompts = [image_prompt(model, tok, synthetic_image(i), QUESTIONS[i % len(QUESTIONS)], processing)
                for i in range(count)]
