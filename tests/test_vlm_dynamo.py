@@ -18,7 +18,9 @@ CUT, NEW = 4, 8
 FLAGS = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}
 
 
-def _generate(model, backend, sizes):
+def _generate(model, backend, sizes, eager_tower=False):
+    if eager_tower:  # docs/torch_compile.md: the vision tower left to eager PyTorch, the text model compiled
+        model.model.visual.forward = torch.compiler.disable(model.model.visual.forward)
     pixels, grids = tiny_images(model, sizes)
     ids = vl_prompt(model, grids)
     compiled = torch.compile(model.forward, backend=backend, dynamic=True)
@@ -33,12 +35,14 @@ def _generate(model, backend, sizes):
     return out[0, ids.shape[1]:].tolist(), ids, ImageInputs(pixels, grids)
 
 
-@pytest.mark.parametrize("sizes", [[(16, 24)], [(16, 24), (8, 16)]], ids=["one image", "two images"])
-def test_compiled_generate_is_the_pop_reference(sizes):
+@pytest.mark.parametrize("sizes,eager_tower", [([(16, 24)], False), ([(16, 24), (8, 16)], False),
+                                               ([(16, 24), (8, 16)], True)],
+                         ids=["one image", "two images", "two images, eager vision tower"])
+def test_compiled_generate_is_the_pop_reference(sizes, eager_tower):
     model = tiny_vlm()
     backend = PopBackend(PopOptions(cut=CUT, inner="eager", min_prompt_tokens=0))
     with torch._dynamo.config.patch(**FLAGS):
-        tokens, ids, images = _generate(model, backend, sizes)
+        tokens, ids, images = _generate(model, backend, sizes, eager_tower)
     assert [r.kind for r in backend.records].count("prefill-pop") == 1
     expected = reference.generate(model, ids, NEW, reference.Variant(cut=CUT), images=images)
     assert tokens == expected
