@@ -20,7 +20,8 @@ def register(sub) -> None:
                        description="Gate every residual branch (attention, MLP) of every layer, separately "
                                    "on the prompt (prefill) and on the generated positions (decode); score "
                                    "each gate by E[(dL/dg)^2] on real text; write a table, analyze.json and "
-                                   "analyze.png, and recommend a cut.")
+                                   "analyze.png, and recommend a cut. A vision-language model (Qwen3-VL) is "
+                                   "scored on image+text prompts: a synthetic image before each text.")
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
     p.add_argument("--out", required=True, type=Path,
                    help="folder for analyze.json and analyze.png (created)")
@@ -47,6 +48,11 @@ def config_from_args(args):
     return AnalyzeConfig(**given)
 
 
+def model_folder(loaded) -> str | None:
+    """The folder a model was loaded from (a VLM's preprocessor_config.json is there); None if unknown."""
+    return getattr(getattr(loaded, "source", None), "path", None)
+
+
 def cmd_analyze(args) -> None:
     from tqdm import tqdm
 
@@ -70,7 +76,7 @@ def cmd_analyze(args) -> None:
             bar.update(done)
 
         report = run_analyze(loaded.model, loaded.tokenizer, config, sources=sources, name=args.model,
-                             progress=progress)
+                             folder=model_folder(loaded), progress=progress)
     json_path, png_path = write_outputs(report, args.out)
     if args.json:
         print(report.to_json())

@@ -111,7 +111,7 @@ def add_corpus_options(p, verb: str) -> None:
 
 def user_sources(args) -> dict[str, list[str]] | None:
     """{file: texts} of --text and --jsonl, in the order given; None for the built-in corpus."""
-    from ..measure.analyze import jsonl_texts
+    from ..measure.analyze_samples import jsonl_texts
 
     sources: dict[str, list[str]] = {}
     for path in args.text:

@@ -138,19 +138,29 @@ class VisionDecoderWithKV(torch.nn.Module):
         layers = [_RecordingLayer(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
         mask = next(iter({kind: build_mask(attention_mask, input_ids.shape[1], w)
                           for kind, w in self.windows.items()}.values()))
-        embeds = self.text.get_input_embeddings()(input_ids)  # [B, T, d]
-        image = (input_ids == self.image_token_id)[..., None]  # [B, T, 1]
-        embeds = torch.where(image, visual_embeds[0].to(embeds.dtype), embeds)
-        hooks = [layer.register_forward_hook(_add_to_output(visual_embeds[1 + i]))
-                 for i, layer in enumerate(self.text.layers[:visual_embeds.shape[0] - 1])]
-        try:
-            out = self.text(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask,
-                            use_cache=True, **{cache_keyword(self.text): Cache(layers=layers)})
-        finally:
-            for hook in hooks:
-                hook.remove()
+        out = run_with_images(self.text, self.image_token_id, input_ids, visual_embeds,
+                              position_ids=position_ids, attention_mask=mask, use_cache=True,
+                              **{cache_keyword(self.text): Cache(layers=layers)})
         logits = self.lm_head(out.last_hidden_state[:, -1])  # [B, V]
         return (logits, *[t for layer in layers for t in layer.new])
+
+
+def run_with_images(text: torch.nn.Module, image_token_id: int, input_ids: torch.Tensor,
+                    visual_embeds: torch.Tensor, **kwargs):
+    """A VLM's text decoder on ``input_ids`` [B, T] with ``visual_embeds`` [1 + k, B, T, d]
+    (VisionDecoderWithKV: row 0 replaces the image placeholders' embeddings, rows 1..k are added to the
+    outputs of layers 0..k-1); ``kwargs`` (positions, mask, cache) go to the text model, whose output it
+    returns."""
+    embeds = text.get_input_embeddings()(input_ids)  # [B, T, d]
+    image = (input_ids == image_token_id)[..., None]  # [B, T, 1]
+    embeds = torch.where(image, visual_embeds[0].to(embeds.dtype), embeds)
+    hooks = [layer.register_forward_hook(_add_to_output(visual_embeds[1 + i]))
+             for i, layer in enumerate(text.layers[:visual_embeds.shape[0] - 1])]
+    try:
+        return text(inputs_embeds=embeds, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 class FunctionalMRope(torch.nn.Module):

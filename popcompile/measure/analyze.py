@@ -12,18 +12,21 @@ x_1..x_{N-1}: those N - 1 positions carry the prefill gates; x_N (the boundary t
 model) and y_1..y_{G-1} are the decode positions. So a layer's prefill importance is what POP's
 pruning of that layer puts at risk, and the last layer's is exactly 0 (POP at cut = L - 1 is exact).
 
+A vision-language model (frontend/vision.py) is scored over its text decoder on image+text prompts
+(``analyze_vision.py``): each window's prompt starts with a synthetic image in a chat turn, so its image
+tokens are prefill positions like any prompt token; the decoder reads the model's own image features,
+M-RoPE positions and deepstack features, and the recommended cut keeps the deepstack layers (cut >= k).
+
 Gradients are per sequence (one gate tensor per row; loss = sum of the rows' losses), so scores do
 not depend on the batch size. float32, one forward-backward per batch, parameters frozen (only
 activations are kept: memory grows with batch x sequence length).
 """
 from __future__ import annotations
 
-import ast
 import contextlib
 import json
 import math
 import resource
-import sysconfig
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -33,12 +36,21 @@ from typing import Any
 import torch
 
 from ..config import resolve_cut
-from ..errors import ConfigError, InputError, ModelError
+from ..errors import ConfigError, ModelError
 from ..frontend.arch import arch_spec, attention_windows
 from ..frontend.capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
+from ..frontend.vision import deepstack_layers, vision_spec
 from ..fsutil import atomic_path, atomic_write
-from ..kvfit.corpus import encode
-from .eval.data import humaneval_problems
+from .analyze_samples import (  # noqa: F401 (the corpus moved there; its names stay importable here)
+    ImagePrompts,
+    Samples,
+    default_sources,
+    humaneval_prompts,
+    jsonl_texts,
+    stdlib_docstrings,
+    token_windows,
+)
+from .analyze_vision import image_samples
 from .gates import BRANCHES, STAGES, GateResult, gate_pass
 
 #: Share of the total prefill importance that the recommended cut may prune (docs/analyze.md).
@@ -119,91 +131,14 @@ class AnalyzeReport:
     recommended_cut: int
     seconds: float
     peak_rss_mb: float  # peak resident memory of the whole process (model included)
+    images: ImagePrompts | None = None  # a vision-language model's image+text prompts; None: text only
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-
-# --- corpus ------------------------------------------------------------------------------------
-
-def stdlib_docstrings() -> Iterator[str]:
-    """Docstrings of the public top-level modules of the running interpreter's stdlib, one text per
-    module (module, class and function docstrings in source order), modules sorted by name."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.glob("*.py")):
-        if path.name.startswith("_"):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        docs = [ast.get_docstring(node) for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-        text = "\n\n".join(d for d in docs if d)
-        if text:
-            yield text
-
-
-def humaneval_prompts() -> list[str]:
-    return [problem["prompt"] for problem in humaneval_problems()]
-
-
-def default_sources() -> dict[str, Iterable[str]]:
-    """The built-in corpus: HumanEval prompts and stdlib docstrings (lazy: read as far as needed)."""
-    return {"humaneval": humaneval_prompts(), "stdlib-docstrings": stdlib_docstrings()}
-
-
-def jsonl_texts(text: str, field: str = "text") -> list[str]:
-    """Texts of a JSON-lines file: each line a JSON string or an object with a string ``field``."""
-    texts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(f"JSONL line {number} is not JSON: {err.msg}") from None
-        value = item.get(field) if isinstance(item, dict) else item
-        if not isinstance(value, str):
-            raise InputError(f"JSONL line {number}: expected a string or an object with a string "
-                             f"{field!r} field")
-        texts.append(value)
-    return texts
-
-
-def _token_stream(texts: Iterable[str], tokenizer: Any, chunk: int) -> Iterator[list[int]]:
-    """The texts' tokens (joined by a blank line), cut into chunks of ``chunk`` tokens."""
-    separator = encode(tokenizer, "\n\n", add_special_tokens=False)
-    buffer: list[int] = []
-    for text in texts:
-        buffer += encode(tokenizer, text, add_special_tokens=False) + separator
-        while len(buffer) >= chunk:
-            yield buffer[:chunk]
-            buffer = buffer[chunk:]
-
-
-def token_windows(sources: Mapping[str, Iterable[str]], tokenizer: Any, length: int,
-                  count: int) -> tuple[torch.Tensor, dict[str, int]]:
-    """``count`` windows [N, length] of real text, sources taken in turn; each window starts with the
-    tokenizer's own leading special tokens (Gemma's BOS; none for SmolLM2). Returns fewer windows when
-    the text runs out, and how many each source gave."""
-    prefix = encode(tokenizer, "", add_special_tokens=True)
-    if length <= len(prefix):
-        raise ConfigError(f"window of {length} tokens leaves no room after {len(prefix)} special tokens")
-    streams = {name: _token_stream(texts, tokenizer, length - len(prefix)) for name, texts in sources.items()}
-    windows, taken = [], {name: 0 for name in sources}
-    while streams and len(windows) < count:
-        for name in list(streams):
-            chunk = next(streams[name], None)
-            if chunk is None:
-                del streams[name]
-            elif len(windows) < count:
-                windows.append(prefix + chunk)
-                taken[name] += 1
-    if not windows:
-        raise InputError(f"the text has fewer than {length} tokens (--context-len + --gen-len): "
-                         "give more text")
-    return torch.tensor(windows, dtype=torch.long), taken
+        """The report as JSON; a text model's has no ``images`` key (its report is as it always was)."""
+        data = asdict(self)
+        if data["images"] is None:
+            del data["images"]
+        return json.dumps(data, indent=2)
 
 
 # --- the gated graph -----------------------------------------------------------------------------
@@ -270,10 +205,11 @@ def stage_mask(batch: int, context_len: int, gen_len: int) -> torch.Tensor:
 
 
 def sequence_losses(gm: torch.nn.Module, windows: torch.Tensor, gates: torch.Tensor, stage: torch.Tensor,
-                    context_len: int) -> torch.Tensor:
+                    context_len: int, inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy [B] of each window's tokens after ``context_len`` (y_1..y_G),
-    the gated graph reading windows[:, :-1] with the given ``gates`` [B, L, 2, 2] and ``stage`` [B, S]."""
-    (logits,) = gm(windows[:, :-1], gates, stage)  # [B, G, V]
+    the gated graph reading ``inputs`` (default: windows[:, :-1]; a VLM's graph: Samples.inputs) with the
+    given ``gates`` [B, L, 2, 2] and ``stage`` [B, S]."""
+    (logits,) = gm(*(inputs or (windows[:, :-1],)), gates, stage)  # [B, G, V]
     targets = windows[:, context_len:]  # [B, G]
     if logits.shape[:2] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape[:2])} do not match targets {tuple(targets.shape)}: "
@@ -283,8 +219,11 @@ def sequence_losses(gm: torch.nn.Module, windows: torch.Tensor, gates: torch.Ten
 
 
 def gate_gradients(gated: GateResult, windows: torch.Tensor, context_len: int, gen_len: int,
-                   progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence dL/dgates [N, L, 2, 2] (float64) and losses [N], one forward-backward per batch.
+                   progress: Callable[[int], None] | None = None,
+                   inputs: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence dL/dgates [N, L, 2, 2] (float64) and losses [N], one forward-backward per batch;
+    ``inputs(rows)``: the graph's inputs for row indices [B] (default: the windows' ids, ``Samples.inputs``).
 
     A last, short batch is filled with copies of its first row that enter no loss.
     """
@@ -293,11 +232,11 @@ def gate_gradients(gated: GateResult, windows: torch.Tensor, context_len: int, g
     grads, losses = [], []
     with frozen_parameters(gm), torch.enable_grad():
         for start in range(0, len(windows), batch):
-            rows = windows[start:start + batch]
-            real = len(rows)
-            rows = torch.cat([rows, rows[:1].expand(batch - real, -1)]) if real < batch else rows
+            real = min(batch, len(windows) - start)
+            index = torch.tensor([*range(start, start + real), *[start] * (batch - real)])  # [B]
+            feed = None if inputs is None else inputs(index)
             gates = torch.ones(batch, gated.num_layers, 2, 2, requires_grad=True)
-            loss = sequence_losses(gm, rows, gates, stage, context_len)[:real]  # [real]
+            loss = sequence_losses(gm, windows[index], gates, stage, context_len, feed)[:real]  # [real]
             (grad,) = torch.autograd.grad(loss.sum(), gates)
             grads.append(grad[:real].double())
             losses.append(loss.detach().double())
@@ -326,10 +265,10 @@ def layer_scores(grads: torch.Tensor) -> tuple[LayerScore, ...]:
         for l in range(grads.shape[1]))
 
 
-def cut_from_scores(prefill: Sequence[float], budget: float) -> int:
+def cut_from_scores(prefill: Sequence[float], budget: float, keep: int = 1) -> int:
     """The first layer of the deepest contiguous block (layers cut..L-1) whose share of the total
     prefill importance is at most ``budget``; L (nothing pruned) when even the last layer is over.
-    Never below 1: layer 0 always runs."""
+    Never below ``keep`` (at least 1: layer 0 always runs; a VLM keeps its deepstack layers 0..k-1)."""
     if not (math.isfinite(budget) and 0.0 <= budget < 1.0):
         raise ConfigError(f"budget={budget} is out of range: use 0 <= budget < 1")
     if len(prefill) == 1:
@@ -339,7 +278,7 @@ def cut_from_scores(prefill: Sequence[float], budget: float) -> int:
         raise ModelError(f"prefill importances must be finite, >= 0 and not all 0, got total {total}: "
                          "the model's weights or gradients overflow; check the model in float32")
     cut, tail = len(prefill), 0.0
-    for layer in range(len(prefill) - 1, 0, -1):
+    for layer in range(len(prefill) - 1, max(keep, 1) - 1, -1):
         tail += prefill[layer]
         if tail / total > budget:
             break
@@ -348,8 +287,9 @@ def cut_from_scores(prefill: Sequence[float], budget: float) -> int:
 
 
 def recommend_cut(report: AnalyzeReport, budget: float) -> int:
-    """``cut_from_scores`` on the report's prefill layer importance."""
-    return cut_from_scores([layer.prefill.layer for layer in report.layers], budget)
+    """``cut_from_scores`` on the report's prefill layer importance (a VLM's: at or above its deepstack)."""
+    keep = report.images.deepstack if report.images is not None else 1
+    return cut_from_scores([layer.prefill.layer for layer in report.layers], budget, keep)
 
 
 def deep_summary(layers: Sequence[LayerScore]) -> DeepSummary:
@@ -369,27 +309,43 @@ def peak_rss_mb() -> float:
 
 def run_analyze(model: torch.nn.Module, tokenizer: Any, config: AnalyzeConfig = AnalyzeConfig(), *,
                 sources: Mapping[str, Iterable[str]] | None = None, name: str | None = None,
+                folder: str | Path | None = None,
                 progress: Callable[[int, int], None] | None = None) -> AnalyzeReport:
-    """Score every layer's branches in both stages on real text (the built-in corpus by default).
+    """Score every layer's branches in both stages on real text (the built-in corpus by default); a
+    vision-language model on image+text prompts (``folder``: the model folder, whose
+    preprocessor_config.json says how images become tokens).
 
     ``progress(done, total)`` is called after every batch with the sequences it scored.
     """
     start = time.perf_counter()
     _check_model(model, config)
-    windows, taken = token_windows(default_sources() if sources is None else sources, tokenizer,
-                                   config.window, config.samples)
+    samples = analysis_samples(model, tokenizer, config, sources, folder)
     if progress is not None:
-        progress(0, len(windows))  # the total is known before the capture (which takes a while)
-    gated = capture_scorer(model, min(config.batch_size, len(windows)), config.window - 1, config.gen_len)
-    report_progress = None if progress is None else (lambda done: progress(done, len(windows)))
-    grads, losses = gate_gradients(gated, windows, config.context_len, config.gen_len, report_progress)
+        progress(0, len(samples))  # the total is known before the capture (which takes a while)
+    gated = samples.capture(model, min(config.batch_size, len(samples)), config.window - 1, config.gen_len)
+    report_progress = None if progress is None else (lambda done: progress(done, len(samples)))
+    grads, losses = gate_gradients(gated, samples.windows, config.context_len, config.gen_len,
+                                   report_progress, samples.inputs)
     layers = layer_scores(grads)
-    cut = cut_from_scores([layer.prefill.layer for layer in layers], config.budget)
+    cut = cut_from_scores([layer.prefill.layer for layer in layers], config.budget,
+                          deepstack_layers(model.config))
     return AnalyzeReport(
         model=name or str(getattr(model.config, "_name_or_path", "")), model_type=model.config.model_type,
-        num_layers=len(layers), config=config, corpus={k: v for k, v in taken.items() if v},
-        samples=len(windows), loss=float(losses.mean()), layers=layers, deep=deep_summary(layers),
-        recommended_cut=cut, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
+        num_layers=len(layers), config=config, corpus={k: v for k, v in samples.corpus.items() if v},
+        samples=len(samples), loss=float(losses.mean()), layers=layers, deep=deep_summary(layers),
+        recommended_cut=cut, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb(),
+        images=samples.images)
+
+
+def analysis_samples(model: torch.nn.Module, tokenizer: Any, config: AnalyzeConfig,
+                     sources: Mapping[str, Iterable[str]] | None, folder: str | Path | None) -> Samples:
+    """The corpus's token windows, read by ``capture_scorer``'s graph; a vision-language model's behind
+    synthetic image prompts (``analyze_vision.image_samples``)."""
+    windows, taken = token_windows(default_sources() if sources is None else sources, tokenizer,
+                                   config.window, config.samples)
+    if vision_spec(model.config) is not None:
+        return image_samples(model, tokenizer, windows, taken, config.context_len, folder)
+    return Samples(windows, taken, capture_scorer, lambda rows: (windows[rows, :-1],))
 
 
 def _check_model(model: torch.nn.Module, config: AnalyzeConfig) -> None:
@@ -397,16 +353,19 @@ def _check_model(model: torch.nn.Module, config: AnalyzeConfig) -> None:
     if dtype != torch.float32:
         raise ConfigError(f"analyze runs in float32, the model is {dtype}: "
                           "load it in float32 (model.float())")
-    if config.window > (limit := getattr(model.config, "max_position_embeddings", None) or math.inf):
+    text = model.config.get_text_config()  # a VLM's text decoder; a text model's own config
+    if config.window > (limit := getattr(text, "max_position_embeddings", None) or math.inf):
         raise ConfigError(f"--context-len + --gen-len = {config.window} exceeds the model's "
                          f"max_position_embeddings={limit}: use shorter lengths")
 
 
 def recommended_cut(model: torch.nn.Module, tokenizer: Any, *, budget: float = DEFAULT_BUDGET,
                     config: AnalyzeConfig = AUTO_CONFIG, sources: Mapping[str, Iterable[str]] | None = None,
+                    folder: str | Path | None = None,
                     progress: Callable[[int, int], None] | None = None) -> int:
     """The cut for ``export --cut auto``: a quick analysis (``AUTO_CONFIG``) and ``recommend_cut``."""
-    report = run_analyze(model, tokenizer, replace(config, budget=budget), sources=sources, progress=progress)
+    report = run_analyze(model, tokenizer, replace(config, budget=budget), sources=sources, folder=folder,
+                         progress=progress)
     return report.recommended_cut
 
 
@@ -433,6 +392,8 @@ def format_table(report: AnalyzeReport) -> str:
              "importance E[(dL/dg)^2]; 'share' = prefill importance of this layer and all deeper ones",
              f"{'layer':>5} | {'prefill attn':>12} {'mlp':>9} {'layer':>9} | {'decode attn':>11} {'mlp':>9} "
              f"{'layer':>9} | {'share':>6}"]
+    if report.images is not None:
+        lines.insert(1, image_line(report.images, cfg.context_len))
     for layer in report.layers:
         p, d = layer.prefill, layer.decode
         share = sum(prefill[layer.index:]) / total
@@ -448,6 +409,15 @@ def format_table(report: AnalyzeReport) -> str:
               f"(prunes {report.num_layers - report.recommended_cut} layers; default cut {deep.cut})",
               f"{report.seconds:.0f} s, peak memory {report.peak_rss_mb:.0f} MB"]
     return "\n".join(lines)
+
+
+def image_line(images: ImagePrompts, context_len: int) -> str:
+    """How a vision-language model's sequences were built, in one line of the table."""
+    tokens, turns, k = images.image_tokens, images.prompt_tokens, images.deepstack
+    return (f"image+text prompts: one synthetic image per sequence, before the text: "
+            f"{min(tokens)}-{max(tokens)} image tokens in a {min(turns)}-{max(turns)}-token image turn, "
+            f"of {context_len} prompt tokens"
+            + (f"; deepstack into layers 0..{k - 1}: the cut stays >= {k}" if k else ""))
 
 
 def plot_report(report: AnalyzeReport, path: Path) -> None:
@@ -471,7 +441,8 @@ def plot_report(report: AnalyzeReport, path: Path) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{report.model}: virtual-gate importance, {report.samples} sequences, context "
+    kind = "image+text " if report.images is not None else ""
+    fig.suptitle(f"{report.model}: virtual-gate importance, {report.samples} {kind}sequences, context "
                  f"{report.config.context_len} + {report.config.gen_len} generated", fontsize=11)
     fig.savefig(path, dpi=110)
 
@@ -504,6 +475,9 @@ def _plot_share(ax, report: AnalyzeReport) -> None:
     shares = [sum(prefill[c:]) / (sum(prefill) or 1.0) for c in cuts]
     ax.plot(cuts, _positive(shares), "o-", color="tab:blue", label="prefill importance pruned")
     ax.axhline(report.config.budget, color="black", lw=1, label=f"budget {report.config.budget:.1%}")
+    if report.images is not None and report.images.deepstack > 1:  # cuts 1..k-1 would prune deepstack layers
+        ax.axvspan(0.5, report.images.deepstack - 0.5, color="gray", alpha=0.15, lw=0,
+                   label=f"refused: below deepstack k={report.images.deepstack}")
     ax.set(title="share of prefill importance in layers cut..L-1", xlabel="cut (first pruned layer)",
            ylabel="share")
 

@@ -28,7 +28,8 @@ def choose_cut(loaded: Any, *, min_agreement: float | None = None, budget: float
     from .analyze import DEFAULT_BUDGET, recommended_cut
 
     budget = DEFAULT_BUDGET if budget is None else budget
-    cut = recommended_cut(loaded.model, loaded.tokenizer, budget=budget)
+    folder = getattr(loaded.source, "path", None)  # a VLM's preprocessor_config.json is there
+    cut = recommended_cut(loaded.model, loaded.tokenizer, budget=budget, folder=folder)
     return cut, {"method": "analyze", "budget": budget, "cut": cut}
 
 

@@ -30,7 +30,8 @@ decode position by ``gates[b, l, 0, 1]``; setting a gate to 0 removes that branc
 Finding the branches uses metadata and dataflow only: ``find_layers`` gives each layer's input h_l;
 the attention add is the ``aten.add`` that reads h_l (through no-op casts such as RMSNorm's
 ``to(float32)``) outside the input norm, its other operand is a_l; the MLP add is the one that reads
-m_l the same way. Checked: the MLP add is what the next layer reads as its input.
+m_l the same way. Checked: the MLP add is what the next layer reads as its input, directly or plus a
+tensor no layer computes (Qwen3-VL's deepstack features after layers 0..k-1: left ungated).
 """
 from __future__ import annotations
 
@@ -111,10 +112,39 @@ def _layer_branches(layer: Layer, layers: list[Layer]) -> list[tuple[fx.Node, fx
     norm = set(layer.nodes_in(INPUT_NORM))
     attn_out, attn_add = _residual_add(layer.input, norm, layer.index, "attention")
     mlp_out, mlp_add = _residual_add(attn_add, norm, layer.index, "MLP")
-    if layer.index + 1 < len(layers) and _resolve(layers[layer.index + 1].input) is not mlp_add:
+    h_0 = _resolve(layers[0].input)
+    if layer.index + 1 < len(layers) and not _reads(layers[layer.index + 1].input, mlp_add, h_0):
         raise ValueError(f"layer {layer.index}: the MLP residual add {mlp_add.name} is not the input of "
                          f"layer {layer.index + 1} ({layers[layer.index + 1].input.name})")
     return [(attn_out, attn_add), (mlp_out, mlp_add)]
+
+
+def _reads(next_input: fx.Node, mlp_add: fx.Node, hidden: fx.Node) -> bool:
+    """The next layer's input is h_{l+1}: the MLP add itself, or the MLP add plus a tensor that does not
+    depend on the hidden state ``hidden`` (h_0): a vision-language model's deepstack features, added after
+    layers 0..k-1; not a branch, so not gated."""
+    node = _resolve(next_input)
+    if node is mlp_add:
+        return True
+    if node.op != "call_function" or node.target is not _ADD:
+        return False
+    operands = [_resolve(a) if isinstance(a, fx.Node) else a for a in node.args[:2]]
+    others = [a for a in operands if a is not mlp_add]
+    return len(others) == 1 and isinstance(others[0], fx.Node) and not _depends_on(others[0], hidden)
+
+
+def _depends_on(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``source`` is ``node`` or one of its ancestors."""
+    seen, todo = {node}, [node]
+    while todo:
+        current = todo.pop()
+        if current is source:
+            return True
+        for arg in current.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return False
 
 
 def _residual_add(residual: fx.Node, skip: set[fx.Node], layer: int, what: str) -> tuple[fx.Node, fx.Node]:
