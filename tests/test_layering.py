@@ -42,7 +42,7 @@ MAY_IMPORT = {
     "kvfit": {"config", "errors", "frontend", "fsutil", "passes"},
     "reference": {"config", "errors", "frontend", "passes"},
     "runtime": {"cost", "engine", "errors", "fsutil", "threshold"},
-    "vllm_plugin": {"config", "engine", "errors", "frontend", "threshold"},
+    "vllm_plugin": {"config", "engine", "errors", "frontend", "fsutil", "threshold"},
     "exporters": {"config", "engine", "errors", "frontend", "fsutil", "kvfit", "passes", "vllm_plugin"},
     "dynamo": {"config", "errors", "frontend", "kvfit", "passes", "threshold"},
     "driver": {"config", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit", "passes", "runtime",
@@ -179,14 +179,15 @@ def test_compiler_imports_nothing_from_measure():
 
 
 def test_only_vllm_loads_the_plugin_and_its_settings_need_no_vllm():
-    """Outside vllm_plugin/ only its settings are imported (by the exporter); settings and the entry point's
-    module import no vLLM at module level (the plugin's register() imports it when vLLM calls it)."""
+    """Outside vllm_plugin/ only its settings are imported (by the exporter); settings, the entry point's
+    module and the hand-off store (tested in the main suite) import no vLLM at module level (the plugin's
+    register() imports it when vLLM calls it)."""
     outside = [line for line in violations("", lambda name: True,
                                            lambda name: _matches(name, "popcompile.vllm_plugin")
                                            and not _matches(name, "popcompile.vllm_plugin.settings"))
                if not line.startswith("popcompile/vllm_plugin/")]
     assert outside == []
-    for name in ("settings.py", "__init__.py"):
+    for name in ("settings.py", "__init__.py", "handoff.py"):
         tree = ast.parse((PACKAGE / "vllm_plugin" / name).read_text())
         top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
         top |= {node.module or "" for node in tree.body

@@ -21,6 +21,10 @@ def main(folder: str, prompts_file: str, out_file: str, engine_args: str = "{}",
 
     args = json.loads(engine_args)
     sequential = args.pop("sequential", False)
+    if "kv_transfer_config" in args:  # one instance of a prefill/decode pair (PopConnector)
+        from vllm.config import KVTransferConfig
+
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
     llm = LLM(model=folder,
               **{"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "seed": 0, **args})
     params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)

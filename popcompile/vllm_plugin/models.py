@@ -28,7 +28,7 @@ class _PopMixin:
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # the stock class: layers, weights, lm_head
         check_vllm_version(vllm.__version__)
-        self.pop_settings = PopSettings.of(vllm_config.model_config.hf_config)
+        self.pop_settings = PopSettings.for_instance(vllm_config)
         self.pop_kv = self.pop_stack = None
         if self.pop_settings.prunes:
             runner.install()

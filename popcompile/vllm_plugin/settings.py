@@ -13,7 +13,7 @@ importable without vLLM (the exporter and the tests use it); the hook runs insid
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ..engine.vllm_folder import CONFIG_KEY, FORMAT
@@ -65,6 +65,16 @@ class PopSettings:
         return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers,
                    kv_weights=entry.get("kv_weights"), min_prompt_tokens=entry.get("min_prompt_tokens", 0))
 
+    @classmethod
+    def for_instance(cls, vllm_config: Any) -> PopSettings:
+        """The folder's settings as this vLLM instance serves them: a decode instance of a prefill/decode
+        pair (``kv_role`` "kv_consumer", connector.py) runs the full model, whatever the folder's cut."""
+        settings = cls.of(vllm_config.model_config.hf_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None and transfer.kv_role == "kv_consumer":
+            return replace(settings, cut=settings.num_layers)
+        return settings
+
     def to_json(self) -> dict:
         return {"format": FORMAT, "cut": self.cut, "kv_weights": self.kv_weights,
                 "min_prompt_tokens": self.min_prompt_tokens}
@@ -88,7 +98,7 @@ class PopConfigHook:
         import vllm
 
         check_vllm_version(vllm.__version__)
-        settings = PopSettings.of(vllm_config.model_config.hf_config)
+        settings = PopSettings.for_instance(vllm_config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
