@@ -10,8 +10,13 @@ one and two whole blocks (N - 1 rows), the others end in a partial block.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -127,3 +132,78 @@ def test_a_decode_instance_of_another_model_is_refused(tiny, smollm2, tmp_path):
     assert done.returncode != 0
     assert "belongs to another model layout" in done.stderr and "num_layers 4 vs 30" in done.stderr, \
         done.stderr[-3000:]
+
+
+def test_the_router_sample_serves_pop_over_two_servers(tiny, tmp_path):
+    """samples/vllm_disagg.py in front of two `vllm serve` processes (prefill, decode) on the POP+ folder:
+    an OpenAI completion through the router gives the single-instance POP+ tokens."""
+    hf, folder, fit = tiny
+    store = tmp_path / "store"
+    servers = [_serve(folder, role, store, tmp_path / f"{role}.log")
+               for role in ("kv_producer", "kv_consumer")]
+    router_port = _free_port()
+    router = subprocess.Popen([sys.executable, str(HERE.parent / "samples" / "vllm_disagg.py"), "--prefill",
+                               servers[0][1], "--decode", servers[1][1], "--port", str(router_port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for proc, url, log in servers:
+            _wait_healthy(proc, url, log)
+        _wait_healthy(router, f"http://127.0.0.1:{router_port}", None)
+        generator = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (90, 200)]
+        answers = [_complete(f"http://127.0.0.1:{router_port}", str(folder), ids) for ids in prompts]
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        pop_plus = Variant(cut=2, kv_weights=load_fit(fit).weights)
+        assert answers == [generate(model, torch.tensor([ids]), NEW, pop_plus) for ids in prompts]
+        streamed = _post(f"http://127.0.0.1:{router_port}/v1/completions", {"prompt": [5], "stream": True})
+        assert streamed[0] == 400 and "stream" in streamed[1]
+    finally:
+        for proc in [router, *(s[0] for s in servers)]:
+            proc.terminate()
+            proc.wait(timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _serve(folder: Path, role: str, store: Path, log: Path):
+    port = _free_port()
+    transfer = {"kv_connector": "PopConnector", "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                             str(folder), "--port", str(port), "--enforce-eager", "--dtype", "float32",
+                             "--max-model-len", "1024", "--kv-transfer-config", json.dumps(transfer)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _wait_healthy(proc, url: str, log: Path | None) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, log and log.read_text()[-3000:]
+            time.sleep(1)
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _complete(url: str, model: str, prompt: list[int]) -> list[int]:
+    status, body = _post(f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": NEW,
+                                                   "temperature": 0, "ignore_eos": True,
+                                                   "return_token_ids": True})
+    assert status == 200, body
+    return json.loads(body)["choices"][0]["token_ids"]
