@@ -78,6 +78,11 @@ class Compilation:
     folder: Path | None = None            # the staged folder the target writes into
     manifest: EngineManifest | ServingFolder | None = None  # the target's record, then with its threshold
 
+    @property
+    def model_folder(self) -> str | None:
+        """Where the model was loaded from (a VLM's preprocessor_config.json sizes its calibration images)."""
+        return getattr(self.loaded.source, "path", None)
+
     def compiled(self) -> Compiled:
         """What the target writes: every decision made, no config."""
         provenance = {"kv_calibration": dataclasses.asdict(self.fit.info) if self.fit else None,
@@ -114,11 +119,12 @@ def _calibrate(c: Compilation) -> None:
     c.cut = c.config.resolve_cut(text.num_hidden_layers)
     check_vision_cut(c.loaded.model.config, c.cut)
     if c.config.kv_calibration.mode != "distill":
-        c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit)
+        c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
+                       folder=c.model_folder)
 
 
 def _distill(c: Compilation) -> None:
-    c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration)
+    c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, folder=c.model_folder)
 
 
 def _cast(c: Compilation) -> None:

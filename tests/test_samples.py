@@ -164,8 +164,7 @@ def test_vlm_compiles_a_qwen3_vl_folder_and_answers_about_images(tmp_path):
     for name, size in (("a.png", (24, 40)), ("b.png", (32, 16))):
         Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / name)
     done = run_sample("vlm.py", "--model", folder, "--out", out, "--image", tmp_path / "a.png", "--image",
-                      tmp_path / "b.png", "--question", "t5 t6 t7", "--kv-calibration", "none",
-                      "--max-new-tokens", "4")
+                      tmp_path / "b.png", "--question", "t5 t6 t7", "--max-new-tokens", "4")  # POP+ on images
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["pop", "full"], done.stdout

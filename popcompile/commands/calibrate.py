@@ -68,15 +68,20 @@ def cmd_calibrate(args) -> None:
     precheck_model(args.model)
     from ..config import resolve_cut
     from ..frontend.models import load_model
+    from ..frontend.vision import check_cut as check_vision_cut
     from ..kvfit.calibrate import save_fit
     from ..kvfit.distill import check_cut
+    from ..kvfit.fit import check_method
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()
     loaded = load_model(args.model)
-    cut = resolve_cut(loaded.model.config.num_hidden_layers, cut=args.cut, prune_ratio=args.prune_ratio)
-    check_cut(cut, loaded.model.config.num_hidden_layers)  # before minutes of fitting
-    batches = calibration_batches(args, loaded.tokenizer, sources)
+    layers = loaded.model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder's
+    cut = resolve_cut(layers, cut=args.cut, prune_ratio=args.prune_ratio)
+    check_cut(cut, layers)  # before minutes of fitting
+    check_vision_cut(loaded.model.config, cut)
+    check_method(loaded.model, config)
+    batches = calibration_batches(args, loaded, sources)
     fit, note = fitted(loaded.model, batches, cut, config)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
@@ -102,10 +107,15 @@ def fit_config(args):
     return config
 
 
-def calibration_batches(args, tokenizer, sources) -> list:
-    """[4, --seq-len] token batches of the user's text (or the built-in corpus), --max-tokens at most."""
+def calibration_batches(args, loaded, sources) -> list:
+    """[4, --seq-len] token batches of the user's text (or the built-in corpus), --max-tokens at most; a
+    vision-language model's are image+text windows of that text (kvfit/images.py)."""
+    from ..frontend.vision import is_vision_language
     from ..kvfit.calibrate import default_batches, token_batches
 
+    tokenizer = loaded.tokenizer
+    if is_vision_language(loaded.model):
+        return image_batches(args, loaded, sources)
     if sources:
         docs = [tokenizer(text).input_ids for texts in sources.values() for text in texts]
         batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
@@ -115,6 +125,20 @@ def calibration_batches(args, tokenizer, sources) -> list:
         raise InputError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: "
                          "give more text")
     return batches
+
+
+def image_batches(args, loaded, sources) -> list:
+    """[4, --seq-len] image+text windows (a synthetic image in a chat turn, then the text), --max-tokens at
+    most: the text is the user's, or the built-in corpus."""
+    from ..kvfit.corpus import calibration_docs, encode
+    from ..kvfit.images import image_windows
+
+    tokenizer = loaded.tokenizer
+    texts = [text for group in sources.values() for text in group] if sources else None
+    docs = (calibration_docs(tokenizer) if texts is None else
+            (encode(tokenizer, text, add_special_tokens=False) for text in texts))
+    return image_windows(loaded.model, tokenizer, docs, seq_len=args.seq_len, max_tokens=args.max_tokens,
+                         folder=getattr(loaded.source, "path", None))
 
 
 #: DistillProgress.phase -> (unit, description) of its progress bar

@@ -13,7 +13,9 @@ prompt tokens). Its prompt reaches the decoder as four things, computed once by 
                                after decoder layers 0..k-1 (DeepStack): a POP cut must be >= k
 
 The table ``VISION_LANGUAGE`` names, per model type, where the parts live and what the config calls them;
-everything else reads the Hugging Face model's own modules (its vision tower, its ``get_rope_index``).
+everything else reads the Hugging Face model's own modules (its vision tower, its ``get_rope_index``, its
+image processor). ``image_turn`` (a chat turn with an image) and ``preprocess_image`` build image prompts on
+the compiler's side: eval's images task, analyze, POP+ calibration (kvfit/images.py).
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ class VisionLanguageSpec:
     image_token: str = "image_token_id"      # config key of the placeholder id
     deepstack: str = "deepstack_visual_indexes"  # vision_config key: one decoder layer fed per entry
     auto_class: str = "AutoModelForImageTextToText"  # transformers' class that loads it from a folder
+    #: transformers' image processor (numpy and Pillow: no torchvision) that ``preprocess_image`` runs; the
+    #: runtime's numpy copy (runtime/vision.py) is tested equal to it
+    image_processor: str = "Qwen2VLImageProcessorPil"
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -143,6 +148,39 @@ def visual_embeds(encoded: VisionPrompt) -> torch.Tensor:
         placed[encoded.visual_mask] = features
         rows.append(placed)
     return torch.stack(rows)
+
+
+def image_turn(config, tokenizer, question: str, image_tokens: int) -> list[int]:
+    """A user turn with one image before ``question`` (the chat template's, with the generation prompt; a
+    tokenizer without one: vision_start, the image, vision_end, the question), its image placeholder
+    expanded to ``image_tokens`` as the processor does. eval's images task, analyze and POP+ calibration
+    build their image prompts with it."""
+    spec = vision_spec(config)
+    image_id = getattr(config, spec.image_token)
+    start, pad, end = tokenizer.convert_ids_to_tokens([config.vision_start_token_id, image_id,
+                                                       config.vision_end_token_id])
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(f"{start}{pad}{end}{question}").input_ids
+    return [t for token in ids for t in ([token] * image_tokens if token == image_id else [token])]
+
+
+def preprocess_image(config, processing: dict, image) -> ImageInputs:
+    """One PIL image as the model's own image processor (the table's ``image_processor``, transformers')
+    makes it with ``processing`` (``image_processing``'s record): pixel_values [P, C*T*p*p] and
+    image_grid_thw [1, 3]."""
+    import transformers
+
+    processor = getattr(transformers, vision_spec(config).image_processor)(
+        patch_size=processing["patch_size"], temporal_patch_size=processing["temporal_patch_size"],
+        merge_size=processing["merge_size"], image_mean=list(processing["image_mean"]),
+        image_std=list(processing["image_std"]), rescale_factor=processing["rescale_factor"],
+        size={"shortest_edge": processing["min_pixels"], "longest_edge": processing["max_pixels"]})
+    out = processor(images=[image], return_tensors="pt")
+    return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"])
 
 
 #: transformers' Qwen-VL image processor settings where the model folder has no preprocessor_config.json

@@ -13,7 +13,9 @@ in the prefill graph (none in decode). Measured on SmolLM2 at cut 20 (docs/resul
 agreement unchanged within noise, greedy chat matched prefix 17.5 -> 11.8 tokens: off for the ridge fit;
 distill.ridge_then_distill, whose measured configuration has it, turns it on.
 
- ``X^T X`` and ``X^T Y`` are accumulated in float64 over batches, so memory is
+A batch is token ids [B, T] (the decoder's own forward) or, for a vision-language model, an
+``images.ImageWindow`` (image+text windows through the text decoder, images.py); ``BATCH_KINDS`` says how each
+is run. ``X^T X`` and ``X^T Y`` are accumulated in float64 over batches, so memory is
 O(d^2) per layer whatever the corpus size; ``lam = ridge * mean(diag(X^T X))``. The prefill graph's
 deep k/v projections then read W' (``pop_pass(kv_weights=...)``): same nodes, same cost. k_norm and
 RoPE are untouched; the decode graph keeps the original weights.
@@ -24,7 +26,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,6 +36,8 @@ from ..errors import ConfigError, InputError, UnsupportedModelError
 from ..frontend.arch import arch_spec
 from ..fsutil import atomic_path
 from ..passes.pop import Projection
+from .images import ImageWindow
+from .images import layer_inputs as image_layer_inputs
 
 PARTS = ("k_proj", "v_proj")
 #: how the weights were made: closed-form ridge (this module) or distilled on the output (distill.py)
@@ -60,6 +64,34 @@ class CalibrationInfo:
 class KVFit:
     info: CalibrationInfo
     weights: dict[int, dict[str, Projection]]  # layer -> {"k_proj": ..., "v_proj": ...}
+
+
+def _text_layer_inputs(model: torch.nn.Module, ids: torch.Tensor) -> Sequence[torch.Tensor]:
+    return model.get_decoder()(ids, output_hidden_states=True).hidden_states  # [l]: input of layer l
+
+
+@dataclass(frozen=True)
+class BatchKind:
+    """How the fit runs one kind of calibration batch: its token ids [B, T] (the corpus digest, the progress
+    count) and one forward giving ``[l]``: the input of decoder layer l, [B, T, d] (at least every layer)."""
+
+    ids: Callable[[Any], torch.Tensor]
+    layer_inputs: Callable[[torch.nn.Module, Any], Sequence[torch.Tensor]]
+
+
+#: a calibration batch's type -> how it is run: token ids, or a VLM's image+text windows (images.py)
+BATCH_KINDS: dict[type, BatchKind] = {
+    torch.Tensor: BatchKind(lambda ids: ids, _text_layer_inputs),
+    ImageWindow: BatchKind(lambda window: window.ids, image_layer_inputs),
+}
+
+
+def batch_kind(batch: Any) -> BatchKind:
+    kind = BATCH_KINDS.get(type(batch))
+    if kind is None:
+        raise InputError(f"a calibration batch is token ids [B, T] or an ImageWindow, not "
+                         f"{type(batch).__name__}: build batches with default_batches or image_windows")
+    return kind
 
 
 class _Moments:
@@ -107,8 +139,9 @@ def fit_kv(
     model: torch.nn.Module, batches: Iterable[torch.Tensor], cut: int, *, ridge: float = KVFitConfig.ridge,
     bias: bool = DEFAULT_FIT_BIAS["ridge"], progress: Callable[[int], None] | None = None,
 ) -> KVFit:
-    """Fit replacement k/v projections for layers ``cut+1..L-1`` on token batches [B, T] (no padding);
-    a bias for every projection with ``bias``, else only where the model's projection has one."""
+    """Fit replacement k/v projections for layers ``cut+1..L-1`` on calibration batches (BATCH_KINDS: token
+    ids [B, T], no padding, or a VLM's ImageWindows); a bias for every projection with ``bias``, else only
+    where the model's projection has one."""
     check_ridge(ridge)
     check_bias(bias)
     spec, layers = arch_spec(model.config), model.get_decoder().layers
@@ -116,10 +149,12 @@ def fit_kv(
         raise ConfigError(f"cut={cut} prunes nothing to calibrate: use 1..{len(layers) - 1}")
     moments: dict[tuple[int, str], _Moments] = {}
     digest, tokens = hashlib.sha256(), 0
-    for ids in batches:
+    for batch in batches:
+        kind = batch_kind(batch)
+        ids = kind.ids(batch)
         digest.update(ids.numpy().tobytes())
         tokens += ids.numel()
-        hidden = model.get_decoder()(ids, output_hidden_states=True).hidden_states  # [l]: input of layer l
+        hidden = kind.layer_inputs(model, batch)  # [l]: input of layer l, [B, T, d]
         for index in range(cut + 1, len(layers)):  # layer `cut` already reads h_cut: nothing to fit
             layer = layers[index]
             norm = layer.get_submodule(spec.input_norm)
@@ -226,7 +261,7 @@ class CutMoments:
                               "(a cut of L prunes nothing)")
         self.norms = [layer.get_submodule(spec.input_norm) for layer in layers]
         self.projs = [[layer.get_submodule(getattr(spec, part)) for part in PARTS] for layer in layers]
-        width, self.eps = model.config.hidden_size, norm_eps(self.norms[0])
+        width, self.eps = model.config.get_text_config().hidden_size, norm_eps(self.norms[0])  # a VLM's text
         self.scales = [norm_scale(norm, width) for norm in self.norms]
         self.split = self.projs[-1][0].out_features  # K columns, then V columns
         self.moments = _AllCutMoments(self.cuts, self.num_layers, width,
@@ -274,13 +309,14 @@ def fit_kv_cuts(
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, KVFit]:
     """``{cut: fit_kv(model, batches, cut, bias=bias)}`` for every cut in one pass over the corpus (see
-    above)."""
+    above); ``batches`` as fit_kv takes them."""
     moments = CutMoments(model, cuts, ridge=ridge, bias=bias)
-    for ids in batches:
-        hidden = model.get_decoder()(ids, output_hidden_states=True).hidden_states  # [l]: input of layer l
-        moments.add({l: h.flatten(0, 1) for l, h in enumerate(hidden[:moments.num_layers])}, ids)
+    for batch in batches:
+        kind = batch_kind(batch)
+        hidden = kind.layer_inputs(model, batch)  # [l]: input of layer l, [B, T, d]
+        moments.add({l: h.flatten(0, 1) for l, h in enumerate(hidden[:moments.num_layers])}, kind.ids(batch))
         if progress is not None:
-            progress(ids.numel())
+            progress(kind.ids(batch).numel())
     return moments.fits()
 
 

@@ -7,6 +7,7 @@ held out from calibration. No download, no torch.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,13 @@ CALIBRATION_MODULES: tuple[str, ...] = (
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text`` (a HF tokenizer, or anything called like one)."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def calibration_docs(tokenizer: Any) -> Iterator[list[int]]:
+    """The calibration corpus's modules as token ids without special tokens, encoded as they are read (a
+    vision-language model's image+text windows take what follows each image turn from it: images.py)."""
+    texts = stdlib_texts(CALIBRATION_MODULES)
+    return (encode(tokenizer, text, add_special_tokens=False) for _, text in texts)
 
 
 def stdlib_texts(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[str, str]]:

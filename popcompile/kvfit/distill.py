@@ -365,7 +365,7 @@ def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillCo
     full-model pass: the ridge fit's statistics are taken from the forward the distillation precomputes
     (rows 0..T-2 of each window), which saves a full forward over the corpus. ``bias`` on by default: the
     configuration measured (docs/results.md, POP++), where training has a per-channel offset to move."""
-    check_cut(cut, model.config.num_hidden_layers)
+    check_cut(cut, model.config.get_text_config().num_hidden_layers)
     _check_windows(windows, config)
     split, report = _split(windows.shape[0], config), progress or (lambda event: None)
     moments = CutMoments(model, [cut], ridge=ridge, bias=bias)

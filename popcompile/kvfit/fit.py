@@ -2,10 +2,12 @@
 
     kv_fit(model, tokenizer, cut, kv_calibration)     export (driver), torch.compile (dynamo), the vLLM target
         none -> None (plain POP) | file -> the fit read and checked | auto, distill -> fit_builtin
-    fit_builtin(model, tokenizer, cut, KVFitConfig)   the built-in corpus (builtin_tokens) -> fit_cut
+    fit_builtin(model, tokenizer, cut, KVFitConfig)   the built-in corpus (builtin_batches) -> fit_cut
     fit_cut(model, tokens, cut, KVFitConfig)          `popcompile calibrate` (its own text) and fit_builtin:
-        ridge   -> calibrate.fit_kv_cuts on [4, seq_len] batches (POP+)
-        distill -> distill.ridge_then_distill on [W, T] windows (POP++: the ridge fit, then trained)
+        ridge   -> calibrate.fit_kv_cuts on [4, seq_len] batches (POP+); a vision-language model's are
+                   image+text windows (images.py: a synthetic image, then the text)
+        distill -> distill.ridge_then_distill on [W, T] windows (POP++: the ridge fit, then trained; text
+                   models only: a VLM is refused, ``check_method``)
 
 Every default (ridge, bias, window length, steps, ...) is KVFitConfig's (config.py). Here, not in
 calibrate.py or distill.py, because it picks between them: distill builds on calibrate.
@@ -19,8 +21,12 @@ from typing import Callable
 import torch
 
 from ..config import KVCalibration, KVFitConfig
+from ..errors import ConfigError
+from ..frontend.vision import is_vision_language
 from .calibrate import KVFit, check_fit, check_fit_shapes, default_batches, fit_kv_cuts, load_fit
+from .corpus import calibration_docs
 from .distill import DistillResult, default_windows, ridge_then_distill
+from .images import ImageWindow, image_windows
 
 #: the step ``kv_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
 DISTILL_STEP = "distill"
@@ -28,21 +34,24 @@ DISTILL_STEP = "distill"
 
 def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
            fit: KVFit | None = None, *, config: KVFitConfig | None = None,
-           step: Callable[[str], None] | None = None) -> KVFit | None:
+           step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit | None:
     """The K/V weights ``kv`` asks for at ``cut``, for every entry point (export, torch.compile, eval).
 
-    none: plain POP (None). auto: the ridge fit on the built-in corpus, now (needs ``tokenizer``). distill:
-    that fit distilled on windows of the same corpus (minutes; ``step("distill")`` is reported before it
-    starts). file: the fit read from it (or ``fit``, read earlier by ``read_fit``), checked against ``cut``
-    and the model's shapes. None as well when ``cut`` prunes nothing. ``config``: how auto and distill fit
-    (default KVFitConfig(); its method is the mode's)."""
+    none: plain POP (None). auto: the ridge fit on the built-in corpus, now (needs ``tokenizer``; a
+    vision-language model's windows are image+text, ``folder`` its model folder with the
+    preprocessor_config.json). distill: that fit distilled on windows of the same corpus (minutes;
+    ``step("distill")`` is reported before it starts; text models only). file: the fit read from it (or
+    ``fit``, read earlier by ``read_fit``), checked against ``cut`` and the model's shapes. None as well
+    when ``cut`` prunes nothing. ``config``: how auto and distill fit (default KVFitConfig(); its method is
+    the mode's)."""
     kv = KVCalibration.of(kv)
     layers = model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder
     if kv.mode == "none" or cut == layers:
         return None
     if kv.fits_now:
         method = "distill" if kv.mode == "distill" else "ridge"
-        return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step)
+        return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step,
+                           folder=folder)
     fit = fit or load_fit(kv.path)
     check_fit(fit, cut, layers)
     check_fit_shapes(fit, model)
@@ -50,14 +59,26 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
 
 
 def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig, *,
-                step: Callable[[str], None] | None = None) -> KVFit:
-    """``fit_cut`` on the built-in calibration corpus (``builtin_tokens``). Distill at cut L-1 leaves no layer
-    to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
+                step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit:
+    """``fit_cut`` on the built-in calibration corpus (``builtin_batches``). Distill at cut L-1 leaves no
+    layer to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
+    check_method(model, config)
     if config.method == "distill" and cut >= model.config.get_text_config().num_hidden_layers - 1:
         config = replace(config, method="ridge")
     if config.method == "distill":
         (step or (lambda name: None))(DISTILL_STEP)
-    return fit_cut(model, builtin_tokens(tokenizer, config), cut, config)[0]
+    return fit_cut(model, builtin_batches(model, tokenizer, config, folder), cut, config)[0]
+
+
+def builtin_batches(model: torch.nn.Module, tokenizer, config: KVFitConfig,
+                    folder: str | Path | None = None) -> list[torch.Tensor | ImageWindow] | torch.Tensor:
+    """What ``fit_cut`` fits ``model`` on by default: ``builtin_tokens``, or for a vision-language model
+    [4, seq_len] image+text windows of the same corpus (images.image_windows; ``folder``: the model folder,
+    whose preprocessor_config.json sizes the images)."""
+    if not is_vision_language(model):
+        return builtin_tokens(tokenizer, config)
+    return image_windows(model, tokenizer, calibration_docs(tokenizer), seq_len=config.seq_len,
+                         max_tokens=config.max_tokens, folder=folder)
 
 
 def builtin_tokens(tokenizer, config: KVFitConfig) -> list[torch.Tensor] | torch.Tensor:
@@ -74,7 +95,9 @@ def fit_cut(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, c
             config: KVFitConfig, *, progress: Callable | None = None) -> tuple[KVFit, DistillResult | None]:
     """(the fit at ``cut``, the distillation's record or None) from token ids: batches [B, T] for ridge (a
     list; ``progress(tokens done)``), windows [W, T] for distill (a tensor or a list of batches, stacked;
-    ``progress(DistillProgress)``), each with ``config``'s ridge and bias."""
+    ``progress(DistillProgress)``), each with ``config``'s ridge and bias. Ridge also takes a vision-language
+    model's image+text windows (images.ImageWindow batches)."""
+    check_method(model, config)
     if config.method == "distill":
         windows = tokens if isinstance(tokens, torch.Tensor) else torch.cat(list(tokens))
         result = ridge_then_distill(model, windows, cut, config.distill, ridge=config.ridge,
@@ -83,3 +106,12 @@ def fit_cut(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, c
     with torch.no_grad():
         fits = fit_kv_cuts(model, tokens, [cut], ridge=config.ridge, bias=config.fits_bias, progress=progress)
     return fits[cut], None
+
+
+def check_method(model: torch.nn.Module, config: KVFitConfig) -> None:
+    """ConfigError for distill on a vision-language model: POP++ trains on text windows through the whole
+    model, and image prompts are not implemented there (the ridge fit takes them)."""
+    if config.method == "distill" and is_vision_language(model):
+        raise ConfigError(f"distill (POP++) is not implemented for vision-language models "
+                          f"({model.config.model_type}): use --kv-calibration auto (export) or --method "
+                          "ridge (calibrate), both fitted on image+text windows")

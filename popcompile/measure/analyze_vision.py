@@ -36,13 +36,11 @@ from ..frontend.vision import (
     vision_spec,
     visual_embeds,
 )
+from ..kvfit.images import IMAGE_SHARE  # the share an image may fill, POP+ calibration's windows too
 from ..runtime.vision import ImageProcessing
 from .analyze_samples import ImagePrompts, Samples, special_prefix
 from .eval.images import QUESTIONS, SIZES, image_prompt, synthetic_image
 from .gates import GateResult, gate_pass
-
-#: the share of the prompt (--context-len) an image may fill; larger images are resized down to it
-IMAGE_SHARE = 0.5
 
 
 class VisionScorer(torch.nn.Module):

@@ -91,42 +91,57 @@ def compare(session, prompt, sampling, *, chat: bool | None = None, repeats: int
         full=full, pop=pop, repeats=repeats,
         full_ttft_s=statistics.median(r.ttft_s for r in runs["full"]),
         pop_ttft_s=statistics.median(r.ttft_s for r in runs["pop"]),
-        flop_bound=engine_flop_bound(session.folder, len(full.prompt_token_ids), session.manifest.cut),
+        # the text decoder's bound; with images the vision tower runs in full in both and it does not hold
+        flop_bound=None if _has_images(session, full.prompt_token_ids) else engine_flop_bound(
+            session.folder, len(full.prompt_token_ids), session.manifest.cut),
         min_prompt_tokens=session.min_prompt_tokens)
 
 
+def text_config(config: dict) -> dict:
+    """The text decoder's part of an engine's config.json: a vision-language model's ``text_config`` (where
+    transformers' ``get_text_config()`` reads), a text model's whole config."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
 def engine_flop_bound(folder: Path, n_tokens: int, cut: int) -> float | None:
-    """full/POP prefill FLOPs from the engine's config.json; None when it is absent or unreadable."""
+    """full/POP prefill FLOPs of the text decoder from the engine's config.json; None when it is absent or
+    unreadable."""
     path = engine_file(folder, "config.json", "config.json")  # refused when it leads out of the folder
     try:
         config = json.loads(path.read_text())
-        return speedup_bound(config, n_tokens, cut)
-    except (OSError, ValueError, TypeError):  # a folder without the HF config: no bound to print
+        return speedup_bound(text_config(config), n_tokens, cut)
+    except (OSError, ValueError, TypeError, AttributeError):  # no HF config: no bound to print
         return None
 
 
 #: prompt lengths ``measure_speedups`` tries, shortest first (export --min-prompt-tokens auto)
 PROBE_LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+#: what a vision-language engine's threshold was measured on (its record's ``prompts``)
+TEXT_PROBES = ("text only: the text decoder's prefill (an image adds the vision tower's time to full and POP "
+               "alike)")
 
 
 def measure_speedups(session, lengths=PROBE_LENGTHS, *, repeats: int = 3, seed: int = 0,
                      stop_after: int = 2, min_speedup: float = DEFAULT_MIN_SPEEDUP) -> list[dict]:
     """TTFT full/POP of random-id prompts, shortest first: ``[{"tokens", "speedup", "flop_bound"}]``.
 
-    Each length runs ``repeats`` interleaved pairs (after one untimed pair) and keeps the median ratio.
-    Stops once ``stop_after`` consecutive lengths reached ``min_speedup`` (longer prompts only gain
-    more: the per-call overhead POP cannot remove shrinks relative to the work it does).
+    The prompts are text (a vision-language engine's too: its image tokens are never drawn), so what is
+    measured is the text decoder's prefill, the part POP prunes; an image adds the vision tower's time to
+    full and POP alike. Each length runs ``repeats`` interleaved pairs (after one untimed pair) and keeps
+    the median ratio. Stops once ``stop_after`` consecutive lengths reached ``min_speedup`` (longer prompts
+    only gain more: the per-call overhead POP cannot remove shrinks relative to the work it does).
     """
     import numpy as np
 
     from .sampling import SamplingConfig
 
     rng = np.random.default_rng(seed)
-    vocab = _vocab(session)
+    allowed = np.setdiff1d(np.arange(_vocab(session)), _image_tokens(session))  # [V'] ids a prompt may draw
     one_token = SamplingConfig(max_new_tokens=1)
     table, passed = [], 0
     for length in (n for n in lengths if n < session.layout.max_seq):
-        ids = [rng.integers(0, vocab, size=length).tolist()]
+        ids = [allowed[rng.integers(0, len(allowed), size=length)].tolist()]
         ratios = []
         for rep in range(repeats + 1):
             ttft = {mode: session.generate(ids, one_token, mode=mode, min_prompt_tokens=0)[0].ttft_s
@@ -148,9 +163,12 @@ def measured_min_prompt_tokens(session, runtime: str,
     measured speedups, and the record kept in the manifest's ``extra["min_prompt_tokens"]``.
 
     No measured length reaching ``min_speedup`` gives ``max_seq`` (POP never pays here: every prompt
-    prefills in full) with a note saying so; a buffer shorter than the shortest probe gives 0."""
+    prefills in full) with a note saying so; a buffer shorter than the shortest probe gives 0. A
+    vision-language engine's record says its probes were text (``measure_speedups``)."""
     table = measure_speedups(session, min_speedup=min_speedup)
     record = {"method": "measured", "runtime": runtime, "min_speedup": min_speedup, "table": table}
+    if _image_tokens(session):
+        record["prompts"] = TEXT_PROBES
     if not table:
         note = f"max_seq {session.layout.max_seq} is below the shortest probe: POP everywhere"
         return 0, {**record, "note": note}
@@ -165,6 +183,21 @@ def measured_min_prompt_tokens(session, runtime: str,
 def _vocab(session) -> int:
     path = engine_file(session.folder, "config.json", "config.json")
     try:
-        return int(json.loads(path.read_text())["vocab_size"])
-    except (OSError, ValueError, TypeError, KeyError):
+        return int(text_config(json.loads(path.read_text()))["vocab_size"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         raise EngineError(f"{path} is missing or has no vocab_size: re-export the engine") from None
+
+
+def _has_images(session, ids: list[int]) -> bool:
+    """Whether the prompt ``ids`` holds an image (a vision-language engine's image placeholders)."""
+    tokens = _image_tokens(session)
+    return bool(tokens) and tokens[0] in ids
+
+
+def _image_tokens(session) -> list[int]:
+    """A vision-language engine's image tokens (placeholder, start, end): a text prompt holds none."""
+    images = getattr(session, "images", None)
+    if images is None:
+        return []
+    s = images.section
+    return [s.image_token_id, s.vision_start_token_id, s.vision_end_token_id]

@@ -175,6 +175,7 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
             limit: int | None, provider: str) -> dict:
     """results.json's fields before the tasks: evaluate.run_eval's, plus the engine, provider and K/V fit."""
     from ...cost import speedup_bound
+    from ...runtime.compare import text_config
 
     manifest = session.manifest
     config = json.loads(engine_file(folder, "config.json", "config.json").read_text())
@@ -189,7 +190,7 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
         "cut": manifest.cut,
         "kv_calibration": calibration, "engine_min_prompt_tokens": manifest.min_prompt_tokens,
         "prefix_len": prefix_len, "cont_len": cont_len,
-        "speedup_bound": speedup_bound(config, prefix_len, manifest.cut),
+        "speedup_bound": speedup_bound(text_config(config), prefix_len, manifest.cut),  # a VLM: its text
         "variants": {n: describe(n) for n in names}, "limit": limit, "tasks": {}}
 
 

@@ -1,65 +1,32 @@
 """The ``images`` task (a vision-language model): how often POP changes the model's answer about an image.
 
-Synthetic image prompts, drawn here (colour gradients, rectangles and noise at several sizes and aspect
-ratios; no download), each with a question, run through the eager reference (``reference.generate`` with
-the images) for every variant; ``compare_generations`` scores each against full (exact match, matched
-prefix), and ``first_token`` is the share whose first generated token is full's. The numbers say how
-often POP's answer differs from the full model's, not whether either is right: that needs a benchmark
-such as MMMU or ScreenSpot and real weights.
+Synthetic image prompts (kvfit/images.py's drawings: colour gradients, rectangles and noise at several
+sizes and aspect ratios; no download; POP+ calibration draws other ones), each with a question, run through
+the eager reference (``reference.generate`` with the images) for every variant; ``compare_generations``
+scores each against full (exact match, matched prefix), and ``first_token`` is the share whose first
+generated token is full's. The numbers say how often POP's answer differs from the full model's, not whether
+either is right: that needs a benchmark such as MMMU or ScreenSpot and real weights.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from ... import reference
-from ...frontend.vision import ImageInputs, image_processing
+from ...frontend.vision import ImageInputs, image_processing, image_turn
+from ...kvfit.images import QUESTIONS, SIZES, synthetic_image  # the drawings, shared with calibration
 from ...runtime.vision import ImageProcessing, image_tokens, preprocess
 from .scoring import BASELINE, compare_generations
-
-QUESTIONS = ("Describe this image.", "What colours are in this picture?", "How many shapes do you see?",
-             "What is in the top left corner?", "Is this a photograph or a drawing?",
-             "Which shape is the largest?", "Write one sentence about this image.", "What stands out here?")
-#: (width, height) in pixels: square, landscape, portrait, large
-SIZES = ((448, 448), (640, 360), (320, 640), (896, 672))
-
-
-def synthetic_image(index: int):
-    """A gradient with rectangles of random colours and a little noise, at SIZES[index % 4]."""
-    from PIL import Image, ImageDraw
-
-    rng = np.random.default_rng(index)
-    width, height = SIZES[index % len(SIZES)]
-    ramp = np.linspace(0, 1, width)[None, :, None] * rng.integers(0, 256, 3)
-    pixels = (ramp + rng.normal(0, 8, (height, width, 3))).clip(0, 255).astype(np.uint8)
-    image = Image.fromarray(np.broadcast_to(pixels, (height, width, 3)).copy())
-    draw = ImageDraw.Draw(image)
-    for _ in range(int(rng.integers(1, 5))):
-        x, y = int(rng.integers(0, width - 16)), int(rng.integers(0, height - 16))
-        draw.rectangle([x, y, x + int(rng.integers(16, width // 2)), y + int(rng.integers(16, height // 2))],
-                       fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
-    return image
 
 
 def image_prompt(model, tok, image, question: str,
                  processing: ImageProcessing) -> tuple[list[int], ImageInputs]:
     """Prompt ids (the chat template's user turn with the image first, placeholders expanded as the
-    processor does) and the preprocessed image."""
-    config = model.config
-    start, pad, end = tok.convert_ids_to_tokens([config.vision_start_token_id, config.image_token_id,
-                                                 config.vision_end_token_id])
-    if tok.chat_template:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False).input_ids
-    else:
-        ids = tok(f"{start}{pad}{end}{question}").input_ids
+    processor does: frontend.vision.image_turn) and the image, preprocessed as the engines' runtime does."""
     pixels, grid = preprocess(image, processing)
-    count = image_tokens(grid, processing.merge_size)
-    expanded = [t for token in ids for t in ([token] * count if token == config.image_token_id else [token])]
-    return expanded, ImageInputs(torch.tensor(pixels), torch.tensor([[1, *grid]]))
+    ids = image_turn(model.config, tok, question, image_tokens(grid, processing.merge_size))
+    return ids, ImageInputs(torch.tensor(pixels), torch.tensor([[1, *grid]]))
 
 
 def images_task(model, tok, variants: dict, limit: int | None, gen_tokens: int, folder: Any = None) -> dict:

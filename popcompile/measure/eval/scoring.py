@@ -108,13 +108,14 @@ def describe(variant: Variant) -> dict:
 
 def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
     """cut -> POP+ weights as ``export --kv-calibration auto`` fits them (KVFitConfig's defaults, on the
-    built-in calibration corpus, held out from the evaluation data).
+    built-in calibration corpus, held out from the evaluation data; a vision-language model's on image+text
+    windows, ``kvfit.fit.builtin_batches``).
 
     Lazy: the first call fits its cut and every cut in ``cuts`` in one pass over the corpus
     (``calibrate.fit_kv_cuts``); later calls for those cuts are free."""
     from ...config import KVFitConfig
     from ...kvfit.calibrate import fit_kv_cuts
-    from ...kvfit.fit import builtin_tokens
+    from ...kvfit.fit import builtin_batches
 
     config, layers = KVFitConfig(), num_layers(loaded.model)
     fits: dict[int, Any] = {}
@@ -122,7 +123,8 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
     def fit(cut: int):
         if cut not in fits:
             wanted = sorted({cut, *(c for c in cuts if 1 <= c < layers - 1)})
-            batches = builtin_tokens(loaded.tokenizer, config)
+            folder = getattr(loaded.source, "path", None)  # a VLM's preprocessor_config.json
+            batches = builtin_batches(loaded.model, loaded.tokenizer, config, folder)
             with torch.no_grad(), _bar(sum(b.numel() for b in batches),
                                        f"calibrate {len(wanted)} cut(s)") as bar:
                 found = fit_kv_cuts(loaded.model, batches, wanted, ridge=config.ridge, bias=config.fits_bias,
@@ -133,7 +135,7 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
 
 
 #: the variants a vision-language model runs (the reference's image path): POP and its boundary ablation
-#: against full, with POP+ (fitted on the text corpus)
+#: against full, with POP+ (fitted as export fits it: on image+text windows)
 VISION_VARIANTS = ("full", "pop", "pop-kvfit", "pop-no-boundary")
 
 
