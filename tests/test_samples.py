@@ -52,8 +52,9 @@ def engine(tiny_folder, tmp_path_factory) -> tuple[Path, subprocess.CompletedPro
 
 def test_every_sample_is_run_by_a_test():
     """Here, or in tests_vllm/ for the samples that need vLLM (run in .venv-vllm)."""
-    sources = Path(__file__).read_text() + (ROOT / "tests_vllm" / "test_vllm_plugin.py").read_text()
-    run_here = set(re.findall(r'run_sample\("(\w+\.py)"', sources))
+    vllm_tests = (ROOT / "tests_vllm").glob("test_*.py")
+    sources = Path(__file__).read_text() + "".join(path.read_text() for path in vllm_tests)
+    run_here = set(re.findall(r'(?:run_sample|sample_process)\("(\w+\.py)"', sources))
     assert sorted(p.name for p in SAMPLES.glob("*.py")) == sorted(run_here)
 
 
