@@ -98,7 +98,8 @@ class PopConnector(KVConnectorBase_V1):
         self._produces, self._consumes = config.is_kv_producer, config.is_kv_consumer
         self._block_size = vllm_config.cache_config.block_size
         self._tracked: dict[str, _Tracked] = {}
-        self._loads: dict[str, tuple[_Tracked, int]] = {}  # request id -> (request, first row to load)
+        self._hits: dict[str, int] = {}  # request id -> rows the store holds for it (this scheduling try)
+        self._loads: dict[str, int] = {}  # request id -> the first row to load
         if role == KVConnectorRole.SCHEDULER:
             self._store.claim_layout()
 
@@ -110,14 +111,13 @@ class PopConnector(KVConnectorBase_V1):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         rows = min(self._store.has(entry_key(prompt, _mm_hashes(request))), len(prompt) - 1)
+        self._hits[request.request_id] = rows
         return max(rows - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        rows = self._hits.pop(request.request_id, 0)
         if num_external_tokens > 0:
-            prompt = list(request.prompt_token_ids or [])
-            tracked = _Tracked(prompt, _mm_hashes(request), [])
-            rows = min(self._store.has(tracked.key), len(prompt) - 1)
-            self._loads[request.request_id] = (tracked, rows - num_external_tokens)
+            self._loads[request.request_id] = rows - num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = PopConnectorMetadata()
@@ -142,9 +142,9 @@ class PopConnector(KVConnectorBase_V1):
 
     def _plan(self, meta: PopConnectorMetadata, req_id: str, tracked: _Tracked, computed: int,
               scheduled: int, resumed: bool) -> None:
-        load = self._loads.pop(req_id, None)
-        if load is not None:
-            start, end = load[1], len(tracked.prompt) - 1
+        start = self._loads.pop(req_id, None)
+        if start is not None:
+            end = len(tracked.prompt) - 1
             meta.transfers.append(Transfer(tracked.key, start, end, self._slots(tracked, start, end), False))
         prompt_ends = computed + scheduled >= len(tracked.prompt) > 1
         if self._produces and prompt_ends and not tracked.stored and not resumed:
@@ -160,6 +160,7 @@ class PopConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
         return False, None
 
     # --- worker side ------------------------------------------------------------------------------------
