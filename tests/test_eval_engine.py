@@ -12,7 +12,7 @@ from tiny_engine import tiny_engine
 from popcompile.cli import main
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import engine as eval_engine
-from popcompile.measure.eval import humaneval, run, scoring
+from popcompile.measure.eval import greedy, humaneval, prompts, run, scoring
 from popcompile.reference import Variant
 from popcompile.runtime.ort import PopSession
 
@@ -86,6 +86,24 @@ def test_generation_equals_the_reference(session, model):
     assert eval_engine.greedy(run, prompts[0], "pop", 10, (EOS,)) == ref["pop"]["tokens"][0]
     assert eval_engine.greedy(run, prompts[1], "pop", 10, (EOS,), stop) == humaneval.generate_until(
         model, torch.tensor([prompts[1]]), Variant(CUT), 10, EOS, stop)
+
+
+def test_greedy_task_equals_the_reference(folder, session, model, tmp_path):
+    rng = np.random.default_rng(2)
+    found = [prompts.Prompt(f"p{i}", "code", tuple(int(t) for t in rng.integers(3, 97, n)))
+             for i, n in enumerate((7, 19, 12, 30))]
+    run = eval_engine.EngineRun(session)
+    engine = greedy.greedy_scores(found, ["pop"], *eval_engine.greedy_functions(run, 10))
+    variants = {"full": Variant(LAYERS), "pop": Variant(CUT)}
+    ref = greedy.greedy_scores(found, ["pop"], *greedy.reference_functions(model, variants, 10, EOS))
+    assert engine["full_lengths"] == ref["full_lengths"]
+    for name in ("full", "pop"):
+        assert engine["variants"][name]["per_prompt"] == ref["variants"][name]["per_prompt"]
+    out = tmp_path / "out"
+    assert main(["eval", str(folder), "--tasks", "greedy", "--limit", "2", "--greedy-tokens", "3",
+                 "--threads", "1", "--out", str(out)]) == 0
+    g = json.loads((out / "results.json").read_text())["tasks"]["greedy"]
+    assert g["prompts"] == 2 and g["skipped"]  # the rest do not fit max_seq 128
 
 
 def test_cli_scores_an_engine_folder(folder, tmp_path, capsys):

@@ -21,10 +21,11 @@ def register(sub) -> None:
                     "prefill graph at the exported cut); the ablations, --cut and --sweep need the model.")
     p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder, "
                                  "or an engine folder from `popcompile export`")
-    p.add_argument("--tasks", help="comma list of continuation, generation, humaneval, chat (default: "
-                                   "continuation,generation; none with --sweep; chat: three-turn "
-                                   "conversations, POP with the cache carried across turns vs re-prefilled, "
-                                   "a model only)")
+    p.add_argument("--tasks", help="comma list of continuation, generation, greedy, humaneval, chat "
+                                   "(default: continuation,generation; none with --sweep; greedy: the first "
+                                   "generated token and the matched prefix vs full on 118 held-out prompts, "
+                                   "with 95%% intervals; chat: three-turn conversations, POP with the cache "
+                                   "carried across turns vs re-prefilled, a model only)")
     p.add_argument("--variants", help="comma list of variants (default: all; full,pop for an engine folder; "
                                       "pop-distill distils the pruned K/V for its cut first: minutes on CPU; "
                                       "wanda and slicegpt calibrate on the built-in corpus first)")
@@ -33,6 +34,8 @@ def register(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
     p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
     p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per chat prompt (default 64)")
+    p.add_argument("--greedy-tokens", type=int, default=32,
+                   help="greedy task: the full model's greedy tokens each variant is scored on (default 32)")
     p.add_argument("--code-tokens", type=int, default=256,
                    help="max tokens per HumanEval completion (default 256)")
     p.add_argument("--code-prompt", choices=PROMPT_FORMATS, default="auto",
@@ -68,7 +71,8 @@ def config_from_args(args):
     return EvalConfig(
         tasks=parse_tasks(args.tasks, args.sweep), variants=variants or None, cut=args.cut,
         prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
-        gen_tokens=args.gen_tokens, code_tokens=args.code_tokens, batch_size=args.batch_size,
+        gen_tokens=args.gen_tokens, greedy_tokens=args.greedy_tokens, code_tokens=args.code_tokens,
+        batch_size=args.batch_size,
         sweep=args.sweep,
         min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec, timeout=args.timeout,
         code_prompt=args.code_prompt, provider=args.provider, threads=args.threads, force=args.force)

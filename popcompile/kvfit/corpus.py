@@ -52,3 +52,18 @@ def stdlib_texts(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[str, s
     if not texts:
         raise EnvironmentUnavailable(f"no standard-library sources found under {root}")
     return texts
+
+
+def documentation_topics(half: str) -> list[tuple[str, str]]:
+    """``(name, text)`` of half of Python's documentation topics (``pydoc_data.topics``, prose with a little
+    code), sorted by name: ``"evaluation"`` the even-numbered ones (eval's prompts, measure/eval/prompts.py),
+    ``"calibration"`` the odd-numbered ones (POP++'s chat windows, distill_windows.py), so the two stay
+    disjoint."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise EnvironmentUnavailable("Python's pydoc_data package is missing from this interpreter") from None
+    if half not in ("evaluation", "calibration"):
+        raise ValueError(f"half must be 'evaluation' or 'calibration', got {half!r}")
+    names = sorted(topics)[half == "calibration"::2]
+    return [(f"pydoc/{name}", topics[name]) for name in names]

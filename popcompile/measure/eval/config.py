@@ -13,7 +13,7 @@ from ...config import DistillConfig, is_prune_ratio
 from ...errors import ConfigError, OutputError
 from ...fsutil import check_destination
 
-TASKS = ("continuation", "generation", "humaneval", "chat", "images")
+TASKS = ("continuation", "generation", "greedy", "humaneval", "chat", "images")
 DEFAULT_TASKS = ("continuation", "generation")
 #: a vision-language model's default: its answers about images (images.py)
 VISION_TASKS = ("images",)
@@ -38,6 +38,7 @@ class EvalConfig:
     prefix_len: int = 512                    # continuation: prefilled tokens
     cont_len: int = 48                       # continuation: scored tokens
     gen_tokens: int = 64                     # generation: greedy tokens per chat prompt
+    greedy_tokens: int = 32                  # greedy: the full model's tokens each variant is scored on
     code_tokens: int = 256                   # humaneval: max tokens per completion
     batch_size: int | None = None            # documents per forward (default: by vocabulary size)
     sweep: bool = False                      # continuation at every cut L..ceil(L/2)
@@ -64,7 +65,8 @@ class EvalConfig:
         if "chat" in self.tasks and self.variants is not None and not set(self.variants) & set(CHAT_VARIANTS):
             raise ConfigError(CHAT_NEEDS)
         sizes = {"--limit": self.limit, "--prefix-len": self.prefix_len, "--cont-len": self.cont_len,
-                 "--gen-tokens": self.gen_tokens, "--code-tokens": self.code_tokens,
+                 "--gen-tokens": self.gen_tokens, "--greedy-tokens": self.greedy_tokens,
+                 "--code-tokens": self.code_tokens,
                  "--batch-size": self.batch_size, "--threads": self.threads, "--cut": self.cut}
         for flag, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -21,6 +21,8 @@ holds one cut. Tasks, data, metrics and the results schema are ``scoring.py``'s 
   prefix (the runtime's prefill, ``loop.Generation.prefill``, in the variant's mode) the continuation
   runs as C-1 one-token decode steps: [B, C, V].
 - generation: ``PopSession.generate`` (greedy), one prompt at a time, as the runtime serves it.
+- greedy: the full model's greedy tokens by decode steps in mode full, each variant's logits on them as in
+  continuation (greedy.py).
 - humaneval: greedy steps through the same prefill and decode steps with humaneval.py's stop rule (the
   code block closed, or a line at column 0), prompt formats, extraction and harness.
 """
@@ -38,6 +40,7 @@ from ...errors import ConfigError
 from ...runtime.sampling import SamplingConfig
 from . import data as eval_data
 from .config import EvalConfig
+from .greedy import greedy_task
 from .humaneval import humaneval_scores
 from .report import write_results
 from .scoring import BASELINE, VARIANTS, batch_size_for, generation_task, score_continuations, timed
@@ -166,6 +169,16 @@ def _continuation_task(session: Any, tok: EvalTokenizer, names: list[str], limit
             "variants": score_continuations(docs, names, logits, batch_size)}
 
 
+def greedy_functions(run: EngineRun, greedy_tokens: int) -> tuple[Callable, Callable]:
+    """What greedy.greedy_scores takes, from the engine: (the full model's tokens by ``greedy`` in mode full,
+    each variant's teacher-forced logits by ``continuation_logits`` in its mode)."""
+    eos = run.session.tokenizer.eos_token_ids
+    generate_full = lambda ids: greedy(run, ids, ENGINE_VARIANTS[BASELINE], greedy_tokens, eos)
+    logits = lambda name, prompt, target: torch.from_numpy(
+        continuation_logits(run, prompt.numpy(), target.numpy(), ENGINE_VARIANTS[name]))
+    return generate_full, logits
+
+
 def _vocab(session: Any) -> int:
     """The logits' width for batch sizing: the tokenizer's vocabulary (the graph's may be padded a little)."""
     return session.tokenizer.vocab_size
@@ -214,6 +227,9 @@ def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
     if "generation" in c.tasks:
         generate = session_generate(session, c.gen_tokens)
         t["generation"] = timed(lambda: generation_task(tok, names, generate, c.limit, c.gen_tokens))
+    if "greedy" in c.tasks:
+        t["greedy"] = timed(lambda: greedy_task(tok, names, *greedy_functions(run, c.greedy_tokens), c.limit,
+                                                c.greedy_tokens, session.layout.max_seq))
     if "humaneval" in c.tasks:
         problems = eval_data.humaneval_problems()[:c.limit]
         eos = session.tokenizer.eos_token_ids

@@ -38,6 +38,8 @@ def _task_tables(t: dict, results: dict) -> list[str]:
         parts.append(f"\ngeneration: {g['prompts']} prompts, greedy {g['max_new_tokens']} tokens")
         parts.append(format_table(["variant", "exact", "prefix", "length"], [
             [n, v["exact_match"], v["matched_prefix"], v["mean_length"]] for n, v in g["variants"].items()]))
+    if "greedy" in t:
+        parts += _greedy_table(t["greedy"])
     if "chat" in t:
         c = t["chat"]
         parts.append(f"\nchat: {c['conversations']} conversations, turn {c['turns']}'s reply, greedy "
@@ -51,6 +53,19 @@ def _task_tables(t: dict, results: dict) -> list[str]:
         parts.append(format_table(["variant", "pass@1", "same as full"], [
             [n, v["pass@1"], v["identical_to_full"]] for n, v in h["variants"].items()]))
     return parts
+
+
+def _greedy_table(g: dict) -> list[str]:
+    span = lambda s: f"{s['mean']:.3g} [{s['ci95'][0]:.3g}, {s['ci95'][1]:.3g}]"
+    base = g["compared_with"]
+    diff = lambda v, key: span(v[f"vs_{base}"][key]) if f"vs_{base}" in v else ""
+    kinds = ", ".join(f"{n} {k}" for k, n in g["kinds"].items())
+    return [f"\ngreedy: {g['prompts']} prompts ({kinds}), the full model's {g['max_new_tokens']} greedy "
+            f"tokens; mean [95% interval]; vs {base}: paired difference",
+            format_table(["variant", "first token", "matched prefix", "agree", f"first vs {base}",
+                          f"prefix vs {base}"], [
+                [n, span(v["first_token"]), span(v["matched_prefix"]), v["agreement"], diff(v, "first_token"),
+                 diff(v, "matched_prefix")] for n, v in g["variants"].items()])]
 
 
 def _sweep_table(s: dict) -> list[str]:

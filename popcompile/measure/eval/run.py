@@ -17,7 +17,9 @@ Every variant runs through ``reference.py`` (the eager specification) on the sam
 
 Tasks (data: ``data.py``): ``continuation`` (teacher-forced NLL / perplexity of a continuation
 after a prefilled prefix, and top-1 agreement with the full model), ``generation`` (greedy chat
-generations: exact match and matched prefix vs full), ``humaneval`` (greedy code completion, pass@1;
+generations: exact match and matched prefix vs full), ``greedy`` (first generated token and matched
+prefix vs full on 118 held-out code, prose and chat prompts, with bootstrap intervals; ``greedy.py``),
+``humaneval`` (greedy code completion, pass@1;
 runs model-written code, so only with ``allow_code_exec``; prompt formats and code extraction in
 ``humaneval.py``), ``chat`` (three-turn conversations: POP with the cache carried across turns, as
 ``session.chat`` runs it, vs a fresh POP prefill of the history, vs full; ``chat.py``). ``images`` (a
@@ -44,6 +46,7 @@ from . import data as eval_data
 from .chat import chat_task
 from .config import DEFAULT_TASKS, VISION_TASKS, EvalConfig, check_output_folder
 from .engine import is_engine_folder, run_engine_eval
+from .greedy import reference_greedy_task
 from .humaneval import humaneval_eval
 from .images import images_task
 from .report import write_results
@@ -116,6 +119,8 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
     if "generation" in c.tasks:
         t["generation"] = timed(lambda: reference_generation_task(model, tok, variants, c.limit,
                                                                   c.gen_tokens))
+    if "greedy" in c.tasks:
+        t["greedy"] = timed(lambda: reference_greedy_task(model, tok, variants, c.limit, c.greedy_tokens))
     if "chat" in c.tasks:
         t["chat"] = timed(lambda: chat_task(model, tok, variants, c.limit, c.gen_tokens))
     if "images" in c.tasks:
