@@ -95,7 +95,8 @@ def test_distillation_lowers_held_out_kl(arch, tmp_path):
     model, ids = sharp_model(arch), windows(32, 48)
     before = {name: p.clone() for name, p in model.named_parameters()}
     init = plain_pop(model, fit_kv(model, [ids], CUT))
-    config = DistillConfig(steps=100, lr=1e-3, continuation=16, held_out=0.25, eval_every=10)
+    config = DistillConfig(steps=100, lr=1e-3, continuation=16, held_out=0.25, eval_every=10,
+                           targets="document", vocab_top_k=0, select="kl", boundary_weight=1.0)
     result = distill_kv(model, ids, init, config)
     assert result.best_kl <= 0.8 * result.initial_kl, (result.initial_kl, result.best_kl)
     held = ids[list(result.held_out)]
@@ -129,7 +130,7 @@ def test_ridge_then_distill_is_the_ridge_fit_then_distill_kv_in_one_pass(arch):
     """The ridge statistics taken from the distillation's precompute give fit_kv_cuts's fit of rows 0..T-2 of
     each window (the precompute never runs the last token), and training from it is distill_kv's."""
     model, ids = sharp_model(arch), windows(8, 32)
-    config = DistillConfig(steps=6, lr=1e-3, continuation=CONT, eval_every=3)
+    config = DistillConfig(steps=6, lr=1e-3, continuation=CONT, eval_every=3, targets="document")
     one_pass = ridge_then_distill(model, ids, CUT, config)
     ridge = fit_kv_cuts(model, [ids[:, :-1]], [CUT], bias=True)[CUT]  # distill fits a bias by default
     assert one_pass.init.info == ridge.info and one_pass.init.info.bias
@@ -161,6 +162,9 @@ def test_early_stop_keeps_the_best_weights():
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"steps": 0}, "--steps 0"), ({"lr": 0.0}, "--lr 0.0"), ({"lr": float("nan")}, "--lr nan"),
     ({"seed": -1}, "--seed -1"), ({"held_out": 1.0}, "held_out=1.0"), ({"continuation": 0}, "continuation=0"),
+    ({"targets": "text"}, "targets='text'"), ({"select": "loss"}, "select='loss'"),
+    ({"boundary_weight": 0}, "boundary_weight=0"), ({"vocab_top_k": -1}, "vocab_top_k=-1"),
+    ({"windows": 1}, "windows=1"),
 ])
 def test_bad_config_values_are_named(kwargs, culprit):
     with pytest.raises(ConfigError, match=culprit.replace("(", r"\(")):
@@ -170,13 +174,15 @@ def test_bad_config_values_are_named(kwargs, culprit):
 @pytest.mark.parametrize("ids, culprit", [
     (windows(1, 32), "too few for a held-out split"),
     (windows(4, 9), "at least 10 tokens"),
+    (windows(4, 1), "at least 2 tokens"),
     (torch.rand(4, 32), "token ids"),
 ])
 def test_bad_windows_are_refused(ids, culprit):
     model = tiny_model("llama", layers=LAYERS)
     init = fit_kv(model, [windows(2, 16)], CUT)
+    targets = "greedy" if ids.shape[1] == 1 else "document"
     with pytest.raises(InputError, match=culprit):
-        distill_kv(model, ids, init, DistillConfig(steps=1, continuation=CONT))
+        distill_kv(model, ids, init, DistillConfig(steps=1, continuation=CONT, targets=targets))
 
 
 def test_files_without_a_method_read_as_ridge(tmp_path):
@@ -238,7 +244,7 @@ def fails(capsys, argv: list, culprit: str, within_s: float = 1.0) -> str:
     (["--method", "distill", "--lr", "0"], "--lr 0.0"),
     (["--method", "distill", "--lr", "nan"], "--lr nan"),
     (["--method", "distill", "--seed", "-2"], "--seed -2"),
-    (["--method", "distill", "--seq-len", "49"], "--seq-len 49"),
+    (["--method", "distill", "--seq-len", "1"], "--seq-len 1"),
     (["--steps", "10", "--lr", "1e-3"], "--steps, --lr apply to --method distill only"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_distill_options_fail_before_the_model_loads(hf, tmp_path, capsys, args, culprit):
@@ -268,7 +274,7 @@ def test_calibrate_distill_writes_a_distilled_fit(hf, tmp_path, capsys, corpus):
     printed = capsys.readouterr().out
     fit = load_fit(out)
     assert fit.info.method == "distill" and fit.info.cut == 2 and set(fit.weights) == {3}
-    assert "distilled 6 steps, held-out KL" in printed
+    assert "distilled 6 steps, held-out matched prefix" in printed
     ridge = tmp_path / "ridge.safetensors"
     assert main(["calibrate", str(hf), "--out", str(ridge), "--cut", "2", "--seq-len", "64",
                  "--text", str(corpus)]) == 0

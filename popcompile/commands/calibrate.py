@@ -46,8 +46,10 @@ def register(sub) -> None:
                         "docs/results.md), on for distill")
     p.add_argument("--method", choices=FIT_METHODS, default=fit.method,
                    help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, "
-                        f"then train on KL(full || POP) of each window's last {steps.continuation} tokens, "
-                        "stopping early on held-out windows")
+                        f"then train on KL(full || POP) of the first {steps.continuation} tokens the full "
+                        "model generates after each window (the first one weighted "
+                        f"{steps.boundary_weight:g}x), keeping the weights with the longest greedy "
+                        "agreement on held-out windows")
     p.add_argument("--steps", type=int,
                    help=f"distill: Adam steps at most, one window each (default {steps.steps})")
     p.add_argument("--lr", type=float, help=f"distill: Adam learning rate (default {steps.lr:g})")
@@ -81,7 +83,7 @@ def cmd_calibrate(args) -> None:
     check_cut(cut, layers)  # before minutes of fitting
     check_vision_cut(loaded.model.config, cut)
     check_method(loaded.model, config)
-    batches = calibration_batches(args, loaded, sources)
+    batches = calibration_batches(args, loaded, sources, config)
     fit, note = fitted(loaded.model, batches, cut, config)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
@@ -100,18 +102,19 @@ def fit_config(args):
                           "--method distill or drop them")
     config = KVFitConfig(method=args.method, ridge=args.ridge, bias=args.bias, seq_len=args.seq_len,
                          max_tokens=args.max_tokens, distill=DistillConfig(**given))
-    continuation = config.distill.continuation
-    if config.method == "distill" and args.seq_len < continuation + 2:
-        raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt before the {continuation} scored "
-                          f"tokens of --method distill: use --seq-len >= {continuation + 2}")
+    if config.method == "distill" and args.seq_len < 2:
+        raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt token to prune for --method distill: "
+                          "use --seq-len >= 2")
     return config
 
 
-def calibration_batches(args, loaded, sources) -> list:
-    """[4, --seq-len] token batches of the user's text (or the built-in corpus), --max-tokens at most; a
-    vision-language model's are image+text windows of that text (kvfit/images.py)."""
+def calibration_batches(args, loaded, sources, config) -> list:
+    """[4, --seq-len] token batches of the user's text, --max-tokens at most, or the built-in text as export
+    fits on it (kvfit.fit.builtin_tokens: distill's are code, prose and chat prompts); a vision-language
+    model's are image+text windows of that text (kvfit/images.py)."""
     from ..frontend.vision import is_vision_language
-    from ..kvfit.calibrate import default_batches, token_batches
+    from ..kvfit.calibrate import token_batches
+    from ..kvfit.fit import builtin_tokens
 
     tokenizer = loaded.tokenizer
     if is_vision_language(loaded.model):
@@ -120,8 +123,8 @@ def calibration_batches(args, loaded, sources) -> list:
         docs = [tokenizer(text).input_ids for texts in sources.values() for text in texts]
         batches = list(token_batches(docs, args.seq_len, 4))[: max(1, args.max_tokens // (4 * args.seq_len))]
     else:
-        batches = default_batches(tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
-    if not batches:
+        batches = builtin_tokens(tokenizer, config)
+    if not len(batches):
         raise InputError(f"the calibration text has fewer than --seq-len={args.seq_len} tokens: "
                          "give more text")
     return batches
@@ -169,8 +172,10 @@ def fitted(model, batches: list, cut: int, config):
     finally:
         for bar in bars.values():
             bar.close()
-    return fit, (f"; distilled {result.steps_run} steps, held-out KL {result.initial_kl:.4f} -> "
-                 f"{result.best_kl:.4f} at step {result.best_step}")
+    first, best = result.initial, result.best
+    return fit, (f"; distilled {result.steps_run} steps, held-out matched prefix "
+                 f"{first.matched_prefix:.2f} -> {best.matched_prefix:.2f} tokens, KL {first.kl:.4f} -> "
+                 f"{best.kl:.4f} at step {result.best_step}")
 
 
 def _bar(total: int, unit: str, desc: str):

@@ -2,34 +2,45 @@
 
 POP+ (calibrate.py) fits each deep layer's K/V to the full model's K/V. What a user sees is the output,
 so here the same weights W'_K, W'_V (and biases where the projection has one) of layers ``cut+1..L-1``
-start from a fit (the ridge one) and are trained to minimise, over windows ``x_1..x_{N+C}`` of text,
+start from a fit (the ridge one) and are trained to minimise, over windows of text,
 
-    KL(full || POP) = mean over t = N..N+C-1 of  sum_v p_full(v | x_<=t) (log p_full - log p_POP)(v | x_<=t)
+    sum over t = 0..C-1 of  w_t KL_t(full || POP) / sum_t w_t,     w_0 = boundary_weight, w_t = 1 after
 
-teacher-forced: ``x_1..x_{N-1}`` are prefilled under POP, ``x_N`` (the boundary) and the continuation
-``x_{N+1}..x_{N+C-1}`` run through the full model (reference.continuation_logits, prefix N, C tokens).
+where row 0 is the boundary token x_N (its prediction is the first generated token, made by the full model
+over POP's deep K/V) and rows 1..C-1 the scored continuation, teacher-forced: ``x_1..x_{N-1}`` are prefilled
+under POP, x_N and the continuation run through the full model (reference.continuation_logits, prefix N, C
+tokens). ``DistillConfig.targets`` picks the continuation:
+
+    greedy    windows [W, N] are prompts; the continuation is the full model's own greedy output y_1..y_{C-1}
+              (what a user's first generated tokens are; matched prefix = leading argmax agreement on it)
+    document  windows [W, N + C]: the last C tokens of the text (x_N is the window's N-th token)
 
 Why a step is cheap: layers ``0..cut-1`` and ``h_cut`` never depend on the trained weights (the shallow
 layers are exact in POP), so one full-model forward per window, without gradients, gives everything a
-step needs (P = N-1 pruned rows, C scored rows, d hidden width)::
+step needs (P = N-1 pruned rows, C scored rows, d hidden width, S scored vocabulary rows)::
 
     h_cut    [1, P, d]   input of layer cut at the pruned rows (every deep layer's K/V source in POP)
     h_in     [1, C, d]   input of layer cut at the boundary and continuation rows (exact in POP too)
-    teacher  [1, C, d]   the full model's last hidden state before the final norm at those rows
+    teacher  [1, C, S]   the full model's logits at those rows, on the S vocabulary rows kept: the union of
+                         every row's top ``vocab_top_k`` (all V with 0), computed once
+    targets  [1, C]      the full model's argmax at those rows (greedy: y_1..y_C)
 
 and, from the first window (every window has the same length), each deep layer's call arguments for
 the C rows (mask, RoPE tables, positions) and its RoPE tables (cos, sin) [1, P, D] of the pruned rows.
-A step then runs only layers ``cut..L-1``, with gradients, on the C rows; their cache holds
+A step then runs only layers ``cut..L-1``, with gradients, on the C rows, and the LM head on the S rows; the
+cache holds
 
     k_l = RoPE_l(k_norm_l(input_norm_l(h_cut) W'_K^T + b'_K)),   v_l = input_norm_l(h_cut) W'_V^T + b'_V
 
-(layer ``cut`` keeps its own weights: it reads ``h_cut`` in the full model too). Adam on the mean KL of
-one window per step; a held-out share of the windows is scored every ``eval_every`` steps, the best
-weights by held-out KL are kept, and training stops after ``patience`` evaluations without improvement.
+(layer ``cut`` keeps its own weights: it reads ``h_cut`` in the full model too). Adam on one window per step;
+a held-out share of the windows is scored every ``eval_every`` steps (KL, first-token agreement and matched
+prefix against ``targets``); the best weights by ``select`` are kept, and training stops after ``patience``
+scores without improvement.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import inspect
 from dataclasses import dataclass, replace
@@ -51,9 +62,8 @@ from .calibrate import (
     check_fit_shapes,
     default_batches,
 )
+from .distill_windows import prompt_windows
 
-#: tokens per window of the built-in corpus: a 512-token prompt, then DistillConfig.continuation (48) scored
-DEFAULT_SEQ_LEN = KVFitConfig.seq_len + DistillConfig.continuation
 #: float32 logits [B, C, V] of one held-out forward stay near 128 MiB (SmolLM2 at C=48: 8 windows, Gemma 3: 2)
 EVAL_LOGITS = 2**25
 
@@ -71,10 +81,27 @@ class DistillProgress:
 
 
 @dataclass(frozen=True)
+class Score:
+    """Held-out windows with one set of weights: mean KL over every scored row (unweighted, nats, on the
+    scored vocabulary), the share whose first scored token's argmax is the target, the mean matched prefix."""
+
+    kl: float
+    first_token: float
+    matched_prefix: float
+
+    def better_than(self, other: "Score", select: str) -> bool:
+        if select == "kl":
+            return self.kl < other.kl
+        return (self.matched_prefix, -self.kl) > (other.matched_prefix, -other.kl)
+
+
+@dataclass(frozen=True)
 class DistillResult:
-    fit: KVFit            # the best weights by held-out KL (the init's if training never improved on it)
+    fit: KVFit            # the best weights by ``select`` (the init's if training never improved on it)
     initial_kl: float     # held-out KL(full || POP) with the init weights
     best_kl: float        # held-out KL of ``fit``
+    initial: Score        # held-out scores of the init weights
+    best: Score           # held-out scores of ``fit``
     best_step: int        # the step ``fit`` was taken at (0: the init)
     steps_run: int        # steps done before the end or the early stop
     held_out: tuple[int, ...]  # the windows (rows of ``windows``) scored for early stopping, never trained on
@@ -92,9 +119,11 @@ class _Geometry:
 
 @dataclass(frozen=True)
 class _Windows:
-    h_cut: torch.Tensor    # [W, P, d]
-    h_in: torch.Tensor     # [W, C, d]
-    teacher: torch.Tensor  # [W, C, d]
+    h_cut: torch.Tensor      # [W, P, d]
+    h_in: torch.Tensor       # [W, C, d]
+    teacher: torch.Tensor    # [W, C, S] float32 logits on the vocabulary rows ``vocab``
+    targets: torch.Tensor    # [W, C] the teacher's argmax over the whole vocabulary
+    vocab: torch.Tensor | None  # [S] vocabulary rows scored (None: all)
     geometry: _Geometry
 
 
@@ -125,39 +154,73 @@ def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
           **{cache_keyword(model): cache})
 
 
+def _greedy(model, last: torch.Tensor, cache: DynamicCache, start: int, steps: int) -> torch.Tensor:
+    """The full model's greedy tokens [1, steps] after ``last`` [1, 1] at position ``start`` (``cache`` is
+    copied, not extended)."""
+    cache, tokens = copy.deepcopy(cache), [last]
+    for i in range(steps):
+        out = model(input_ids=tokens[-1], position_ids=torch.tensor([[start + i]]), use_cache=True,
+                    logits_to_keep=1, **{cache_keyword(model): cache})
+        tokens.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat(tokens[1:], dim=1) if steps else last[:, :0]
+
+
 @torch.no_grad()
-def _run_window(model, ids: torch.Tensor, cut: int, continuation: int, moments: CutMoments | None = None):
-    """The full model over one window ``ids`` [1, T] in two forwards (pruned rows, then the C scored rows);
-    returns (h_cut, h_in, teacher, geometry) as in the module docstring. With ``moments``, the deep layers'
-    inputs over rows 0..T-2 also go into the ridge fit's statistics: its forward is this one."""
+def _run_window(model, ids: torch.Tensor, cut: int, continuation: int, targets: str,
+                moments: CutMoments | None = None):
+    """The full model over one window ``ids`` [1, T] in two forwards (pruned rows, then the C scored rows:
+    the window's last C tokens, or x_N and the full model's greedy tokens); returns (h_cut, h_in, teacher
+    hidden state [1, C, d], geometry) as in the module docstring. With ``moments``, the deep layers' inputs
+    over every row run also go into the ridge fit's statistics: its forward is this one."""
     layers, norm = model.get_decoder().layers, model.get_decoder().norm
     deep = {i: layers[i] for i in range(cut, len(layers))}
-    rows, cache = ids.shape[1] - continuation - 1, DynamicCache()
+    greedy = targets == "greedy"
+    rows, cache = ids.shape[1] - (1 if greedy else continuation + 1), DynamicCache()
     with _recorded_calls(deep) as calls:
         _forward(model, ids[:, :rows], cache, 0)
     pruned = {i: _hidden(call) for i, call in calls.items()}  # [1, P, d] per deep layer
     prefix_rope = {i: tuple(kwargs["position_embeddings"]) for i, (_, kwargs) in calls.items()}
+    scored = (torch.cat([ids[:, rows:], _greedy(model, ids[:, rows:], cache, rows, continuation - 1)], dim=1)
+              if greedy else ids[:, rows:-1])
     with _recorded_calls({**deep, -1: norm}) as calls:
-        _forward(model, ids[:, rows:-1], cache, rows)
+        _forward(model, scored, cache, rows)
     teacher = _hidden(calls.pop(-1))
     if moments is not None:
         moments.add({i: torch.cat([pruned[i], _hidden(call)], dim=1)[0] for i, call in calls.items()},
-                    ids[:, :-1])
+                    torch.cat([ids[:, :rows], scored], dim=1))
     layer_kwargs = {i: kwargs for i, (_, kwargs) in calls.items()}
     return pruned[cut], _hidden(calls[cut]), teacher, _Geometry(layer_kwargs, prefix_rope)
 
 
-def _precompute(model, windows: torch.Tensor, cut: int, continuation: int,
+@torch.no_grad()
+def _scored_vocab(model, teacher: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the teacher's logits [W, C, S] on the kept vocabulary rows, those rows [S] or None for all) from its
+    hidden states [W, C, d]: the union of every row's top ``top_k`` tokens (0: the whole vocabulary)."""
+    vocab_size = model.get_output_embeddings().out_features
+    if top_k == 0 or top_k >= vocab_size:
+        return torch.cat([head_logits(model, h[None]).float() for h in teacher]), None
+    kept = torch.zeros(vocab_size, dtype=torch.bool)
+    for h in teacher:  # one window's [C, d] at a time: [C, V] logits stay small
+        kept[head_logits(model, h[None]).topk(top_k, dim=-1).indices.flatten()] = True
+    vocab = kept.nonzero()[:, 0]
+    return torch.cat([head_logits(model, h[None], vocab).float() for h in teacher]), vocab
+
+
+def _precompute(model, windows: torch.Tensor, cut: int, config: DistillConfig,
                 report: Callable[[int], None], moments: CutMoments | None = None) -> _Windows:
     """``_run_window`` over every window [W, T]; the geometry is the first window's (all share one length)."""
     runs, geometry = [], None
     for i in range(windows.shape[0]):
-        *tensors, found = _run_window(model, windows[i:i + 1], cut, continuation, moments)
+        *tensors, found = _run_window(model, windows[i:i + 1], cut, config.continuation, config.targets,
+                                      moments)
         runs.append(tensors)
         geometry = geometry or found
         report(i + 1)
-    h_cut, h_in, teacher = (torch.cat(parts) for parts in zip(*runs))
-    return _Windows(h_cut, h_in, teacher, geometry)
+    h_cut, h_in, hidden = (torch.cat(parts) for parts in zip(*runs))
+    with torch.no_grad():
+        targets = torch.cat([head_logits(model, h[None]).argmax(-1) for h in hidden])  # [W, C]
+    teacher, vocab = _scored_vocab(model, hidden, config.vocab_top_k)
+    return _Windows(h_cut, h_in, teacher, targets, vocab, geometry)
 
 
 # --- the student: deep layers on the scored rows, cache from the trainable projections -----------
@@ -194,16 +257,21 @@ def _own_projections(model, index: int) -> dict[str, Projection]:
             for part in PARTS for p in [layer.get_submodule(getattr(spec, part))]}
 
 
-def head_logits(model, h: torch.Tensor) -> torch.Tensor:
+def head_logits(model, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, C, V] from the last layer's output ``h`` [B, C, d]: final norm, LM head, soft-capping
-    (Gemma)."""
-    logits = model.get_output_embeddings()(model.get_decoder().norm(h))
+    (Gemma); with ``vocab`` [S] those rows of the LM head only: [B, C, S]."""
+    head, x = model.get_output_embeddings(), model.get_decoder().norm(h)
+    if vocab is None:
+        logits = head(x)
+    else:
+        bias = None if head.bias is None else head.bias[vocab]
+        logits = torch.nn.functional.linear(x, head.weight[vocab], bias)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _student_logits(model, data: _Windows, rows: torch.Tensor, weights: dict[int, dict[str, Projection]]):
-    """POP's logits [B, C, V] of the windows ``rows`` (a [B] index) with ``weights`` on the deep layers."""
+    """POP's logits [B, C, S] of the windows ``rows`` (a [B] index) with ``weights`` on the deep layers."""
     layers, g = model.get_decoder().layers, data.geometry
     cache, h_cut = DynamicCache(), data.h_cut[rows]
     for index in g.layer_kwargs:
@@ -213,23 +281,38 @@ def _student_logits(model, data: _Windows, rows: torch.Tensor, weights: dict[int
     for index, kwargs in g.layer_kwargs.items():
         kwargs = {k: cache if isinstance(v, Cache) else v for k, v in kwargs.items()}
         h = layers[index](h, **kwargs)
-    return head_logits(model, h)
+    return head_logits(model, h, data.vocab)
 
 
-def _kl(model, data: _Windows, rows: torch.Tensor, weights) -> torch.Tensor:
-    """Mean over the windows' scored tokens of KL(full || POP), nats (a scalar with gradients)."""
-    with torch.no_grad():
-        teacher = torch.log_softmax(head_logits(model, data.teacher[rows]).float(), dim=-1)  # [B, C, V]
-    student = torch.log_softmax(_student_logits(model, data, rows, weights).float(), dim=-1)
-    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+def _row_kl(model, data: _Windows, rows: torch.Tensor, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(full || POP) [B, C] of each scored row, nats, with gradients; POP's logits [B, C, S])."""
+    teacher = torch.log_softmax(data.teacher[rows], dim=-1)
+    logits = _student_logits(model, data, rows, weights)
+    student = torch.log_softmax(logits.float(), dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1), logits
+
+
+def _loss(model, data: _Windows, rows: torch.Tensor, weights, config: DistillConfig) -> torch.Tensor:
+    """The weighted mean KL of the module docstring (a scalar with gradients)."""
+    kl = _row_kl(model, data, rows, weights)[0]
+    w = torch.ones(kl.shape[1])
+    w[0] = config.boundary_weight
+    return (kl * w).sum(-1).mean() / w.sum()
 
 
 @torch.no_grad()
-def _mean_kl(model, data: _Windows, rows: torch.Tensor, weights) -> float:
-    per_forward = max(1, min(8, EVAL_LOGITS // data.teacher.shape[1]
-                             // model.get_output_embeddings().out_features))
-    total = sum(float(_kl(model, data, chunk, weights)) * len(chunk) for chunk in rows.split(per_forward))
-    return total / len(rows)
+def _score(model, data: _Windows, rows: torch.Tensor, weights) -> Score:
+    """The held-out ``Score`` of the windows ``rows`` with ``weights``."""
+    per_forward = max(1, min(8, EVAL_LOGITS // data.teacher.shape[1] // data.teacher.shape[2]))
+    kl, agree = [], []
+    for chunk in rows.split(per_forward):
+        row_kl, logits = _row_kl(model, data, chunk, weights)
+        kl.append(row_kl)
+        picked = logits.argmax(-1)
+        agree.append((picked if data.vocab is None else data.vocab[picked]) == data.targets[chunk])
+    kl, agree = torch.cat(kl), torch.cat(agree).long()  # [B, C] each
+    return Score(float(kl.mean()), float(agree[:, 0].float().mean()),
+                 float(agree.cumprod(1).sum(1).float().mean()))
 
 
 @contextlib.contextmanager
@@ -270,29 +353,31 @@ def _tensors(weights: Weights) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class _Best:
-    kl: float
+    score: Score
     step: int
     weights: Weights
 
 
 def _train(model, data: _Windows, weights: Weights, train: torch.Tensor, held: torch.Tensor,
-           config: DistillConfig, report: Callable[[DistillProgress], None]) -> tuple[float, _Best, int]:
-    """Adam on ``weights`` in place; (held-out KL of the init, the best by held-out KL, steps run)."""
+           config: DistillConfig, report: Callable[[DistillProgress], None]) -> tuple[Score, _Best, int]:
+    """Adam on ``weights`` in place; (held-out score of the init, the best by ``config.select``, steps
+    run)."""
     optimiser = torch.optim.Adam(_tensors(weights), lr=config.lr)
     shuffle = torch.Generator().manual_seed(config.seed + 1)
-    initial = _mean_kl(model, data, held, weights)
-    best, held_kl, stale, order, step = _Best(initial, 0, _snapshot(weights)), initial, 0, [], 0
+    initial = _score(model, data, held, weights)
+    best, held_kl, stale, order, step = _Best(initial, 0, _snapshot(weights)), initial.kl, 0, [], 0
     while step < config.steps and stale < config.patience:
         step += 1
         order = order or train[torch.randperm(len(train), generator=shuffle)].tolist()  # one epoch
-        loss = _kl(model, data, torch.tensor([order.pop()]), weights)
+        loss = _loss(model, data, torch.tensor([order.pop()]), weights, config)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
         if step % config.eval_every == 0 or step == config.steps:
-            held_kl = _mean_kl(model, data, held, weights)
-            best, stale = ((_Best(held_kl, step, _snapshot(weights)), 0) if held_kl < best.kl
-                           else (best, stale + 1))
+            score = _score(model, data, held, weights)
+            held_kl = score.kl
+            improved = score.better_than(best.score, config.select)
+            best, stale = (_Best(score, step, _snapshot(weights)), 0) if improved else (best, stale + 1)
         report(DistillProgress("train", step, config.steps, float(loss.detach()), held_kl))
     return initial, best, step
 
@@ -309,7 +394,10 @@ def _check_windows(windows: torch.Tensor, config: DistillConfig) -> None:
     if not (isinstance(windows, torch.Tensor) and windows.dim() == 2 and not windows.is_floating_point()):
         raise InputError(f"windows must be token ids [W, T], got {type(windows).__name__} "
                          f"{tuple(getattr(windows, 'shape', ()))}: stack equal-length windows")
-    if windows.shape[1] < config.continuation + 2:
+    if config.targets == "greedy" and windows.shape[1] < 2:
+        raise InputError(f"windows of {windows.shape[1]} token(s) leave nothing to prune: give windows of at "
+                         "least 2 tokens (--seq-len)")
+    if config.targets == "document" and windows.shape[1] < config.continuation + 2:
         raise InputError(f"windows of {windows.shape[1]} tokens leave no prompt before the "
                          f"{config.continuation} scored tokens: give windows of at least "
                          f"{config.continuation + 2} tokens (--seq-len)")
@@ -325,26 +413,31 @@ def _split(count: int, config: DistillConfig) -> tuple[torch.Tensor, torch.Tenso
     return order[held:], order[:held]
 
 
+#: the evaluation helpers score the window's own last tokens over the whole vocabulary
+_DOCUMENT = DistillConfig(targets="document", vocab_top_k=0)
+
+
 @torch.no_grad()
 def pop_continuation_logits(model, windows: torch.Tensor, cut: int, weights: Weights,
                             continuation: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
     """(full model's, POP's) teacher-forced logits [W, C, V] of the last C tokens of each window [W, T], by
     the precomputed path a distillation step takes (reference.continuation_logits computes the same)."""
-    _check_windows(windows, DistillConfig(continuation=continuation))
-    data = _precompute(model, windows, cut, continuation, lambda done: None)
+    config = replace(_DOCUMENT, continuation=continuation)
+    _check_windows(windows, config)
+    data = _precompute(model, windows, cut, config, lambda done: None)
     rows = torch.arange(windows.shape[0])
-    return head_logits(model, data.teacher), _student_logits(model, data, rows, weights)
+    return data.teacher, _student_logits(model, data, rows, weights)
 
 
 def continuation_kl(model, windows: torch.Tensor, cut: int, weights: Weights,
                     continuation: int = 48) -> float:
     """Mean KL(full || POP) over the last ``continuation`` tokens of each window [W, T], with ``weights``
     on the deep layers' K/V (the same value reference.continuation_logits gives, without running it)."""
-    config = DistillConfig(continuation=continuation)
+    config = replace(_DOCUMENT, continuation=continuation)
     _check_windows(windows, config)
     with torch.no_grad():
-        data = _precompute(model, windows, cut, continuation, lambda done: None)
-        return _mean_kl(model, data, torch.arange(windows.shape[0]), weights)
+        data = _precompute(model, windows, cut, config, lambda done: None)
+        return _score(model, data, torch.arange(windows.shape[0]), weights).kl
 
 
 def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig = DistillConfig(),
@@ -354,7 +447,7 @@ def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig 
     check_cut(init.info.cut, init.info.num_layers)
     _check_windows(windows, config)
     split, report = _split(windows.shape[0], config), progress or (lambda event: None)
-    data = _precompute(model, windows, init.info.cut, config.continuation, _teacher_report(report, windows))
+    data = _precompute(model, windows, init.info.cut, config, _teacher_report(report, windows))
     return _distilled(model, data, windows, init, split, config, report)
 
 
@@ -363,13 +456,14 @@ def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillCo
                        progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
     """``distill_kv`` from the ridge fit (calibrate.fit_kv_cuts) on the same windows [W, T], both from one
     full-model pass: the ridge fit's statistics are taken from the forward the distillation precomputes
-    (rows 0..T-2 of each window), which saves a full forward over the corpus. ``bias`` on by default: the
+    (document targets: rows 0..T-2 of each window; greedy: the window and the greedy tokens but the last),
+    which saves a full forward over the corpus. ``bias`` on by default: the
     configuration measured (docs/results.md, POP++), where training has a per-channel offset to move."""
     check_cut(cut, model.config.get_text_config().num_hidden_layers)
     _check_windows(windows, config)
     split, report = _split(windows.shape[0], config), progress or (lambda event: None)
     moments = CutMoments(model, [cut], ridge=ridge, bias=bias)
-    data = _precompute(model, windows, cut, config.continuation, _teacher_report(report, windows), moments)
+    data = _precompute(model, windows, cut, config, _teacher_report(report, windows), moments)
     return _distilled(model, data, windows, moments.fits()[cut], split, config, report)
 
 
@@ -389,16 +483,23 @@ def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit,
     digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
     info = replace(init.info, tokens=windows.numel(), corpus_sha256=digest, method="distill")
     fit = check_finite(KVFit(info, best.weights), "the distilled fit")
-    return DistillResult(fit, initial, best.kl, best.step, steps, tuple(held.tolist()), init)
+    return DistillResult(fit, initial.kl, best.score.kl, initial, best.score, best.step, steps,
+                         tuple(held.tolist()), init)
 
 
-def default_windows(tokenizer, *, seq_len: int = DEFAULT_SEQ_LEN,
-                    max_tokens: int = KVFitConfig.max_tokens) -> torch.Tensor:
-    """Token windows [W, seq_len] of the built-in calibration corpus (calibrate.default_batches: stdlib
-    modules disjoint from the evaluation's; 116 windows of 560 tokens by default)."""
-    batches = default_batches(tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+def default_windows(tokenizer, config: DistillConfig = DistillConfig(), *, seq_len: int = KVFitConfig.seq_len,
+                    max_tokens: int | None = None) -> torch.Tensor:
+    """Windows of the built-in calibration text for ``config.targets``: greedy, prompts [W, seq_len] of code,
+    prose and chat turns (distill_windows.prompt_windows); document, [W, seq_len + continuation] of the
+    stdlib corpus (calibrate.default_batches). Both from text disjoint from the evaluation's; ``max_tokens``
+    prompt tokens in all (default ``config.windows`` windows)."""
+    max_tokens = config.windows * seq_len if max_tokens is None else max_tokens
+    if config.targets == "greedy":
+        return prompt_windows(tokenizer, seq_len, max(2, max_tokens // seq_len))
+    length = seq_len + config.continuation
+    batches = default_batches(tokenizer, seq_len=length, max_tokens=max_tokens * length // seq_len)
     if not batches:
-        raise InputError(f"the built-in calibration corpus has no window of {seq_len} tokens for this "
+        raise InputError(f"the built-in calibration corpus has no window of {length} tokens for this "
                          "tokenizer: give a file from `popcompile calibrate --method distill` with your "
                          "own text")
     return torch.cat(batches)

@@ -83,11 +83,11 @@ def builtin_batches(model: torch.nn.Module, tokenizer, config: KVFitConfig,
 
 def builtin_tokens(tokenizer, config: KVFitConfig) -> list[torch.Tensor] | torch.Tensor:
     """The built-in corpus (corpus.py, disjoint from the evaluation's text) as ``fit_cut`` takes it:
-    [4, seq_len] batches for ridge, windows [W, seq_len + continuation] for distill (a prompt, then the
-    scored tokens)."""
+    [4, seq_len] batches for ridge, windows for distill (distill.default_windows: ``config.distill.windows``
+    prompts of seq_len tokens for greedy targets)."""
     if config.method == "distill":
-        return default_windows(tokenizer, seq_len=config.seq_len + config.distill.continuation,
-                               max_tokens=config.max_tokens)
+        budget = min(config.max_tokens, config.distill.windows * config.seq_len)
+        return default_windows(tokenizer, config.distill, seq_len=config.seq_len, max_tokens=budget)
     return default_batches(tokenizer, seq_len=config.seq_len, max_tokens=config.max_tokens)
 
 
