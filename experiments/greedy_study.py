@@ -66,6 +66,28 @@ def fit(loaded, cut: int, name: str, overrides: dict) -> tuple[dict, float, dict
     return found.weights, seconds, record
 
 
+def markdown(result: dict) -> str:
+    """The docs/results.md table of a result."""
+    span = lambda s, f: f"{s['mean']:{f}} [{s['ci95'][0]:{f}}, {s['ci95'][1]:{f}}]"
+    rows = ["| variant | first token | matched prefix (of 32) | first token vs pop-kvfit | matched prefix vs "
+            "pop-kvfit | teacher-forced agreement | KL to full | calibration s |", "|" + "---|" * 8]
+    for name, v in result["variants"].items():
+        if name == "full":
+            continue
+        vs = v["vs_pop_kvfit"]
+        calibration = v["calibration"]["seconds"] if v["calibration"] else "-"
+        rows.append(f"| {name} | {span(v['first_token'], '.3f')} | {span(v['matched_prefix'], '.2f')} | "
+                    f"{span(vs['first_token'], '+.3f') if vs else '-'} | "
+                    f"{span(vs['matched_prefix'], '+.2f') if vs else '-'} | "
+                    f"{v['teacher_forced_agreement']:.3f} | {v['kl_to_full']:.3f} | {calibration} |")
+    kinds = ["| variant | " + " | ".join(f"{k}: first / prefix" for k in result["kinds"]) + " |",
+             "|" + "---|" * (len(result["kinds"]) + 1)]
+    kinds += [f"| {name} | " + " | ".join(f"{b['first_token']:.3f} / {b['matched_prefix']:.2f}"
+                                          for b in v["by_kind"].values()) + " |"
+              for name, v in result["variants"].items() if name != "full"]
+    return "\n".join(rows + [""] + kinds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +98,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--distill", default="{}", help="JSON overrides of DistillConfig for pop-distill")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--render", action="store_true", help="print the tables of an existing --out")
     args = parser.parse_args()
+    if args.render:
+        print(markdown(json.loads(args.out.read_text())))
+        return
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer
@@ -106,6 +132,7 @@ def main() -> None:
               "kinds": greedy["kinds"], "documents": len(docs), "threads": args.threads, "variants": table}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
     for name, row in table.items():
         print(f"{name:16s} first {row['first_token']['mean']:.3f} {row['first_token']['ci95']}  prefix "
               f"{row['matched_prefix']['mean']:.2f} {row['matched_prefix']['ci95']}  tf "

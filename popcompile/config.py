@@ -2,8 +2,8 @@
 
     PopConfig(cut=None, prune_ratio=None,     which layers are pruned: cut = first pruned layer, or
               boundary="folded",              L - floor(L * prune_ratio) (default 1/3; resolve_cut)
-              kv_calibration="auto",          KVCalibration: none | auto | distill | a file from
-                                              `popcompile calibrate`
+              kv_calibration="auto",          KVCalibration: none | auto | ridge | distill | a file
+                                              from `popcompile calibrate`
               dtype="float32", max_seq=None,  engine precision, KV buffer length
                                               (None: min(4096, model limit))
               min_prompt_tokens="auto")       prompts shorter than this prefill in full ("auto": measured)
@@ -30,10 +30,10 @@ DTYPES = ("float32", "float16")
 #: capture traces 3 new tokens over 4 cached ones (capture.example_inputs): a shorter buffer cannot be
 #: exported
 MIN_MAX_SEQ = 8
-KV_MODES = ("none", "auto", "distill", "file")
+KV_MODES = ("none", "auto", "ridge", "distill", "file")
 #: the modes that fit on the built-in corpus while compiling (export only: the torch.compile backend
 #: refuses them)
-FITTED_MODES = ("auto", "distill")
+FITTED_MODES = ("auto", "ridge", "distill")
 #: weight formats of an ONNX engine: float (the engine's dtype) or onnxruntime's MatMulNBits blocks
 WEIGHT_FORMATS = ("float", "int8", "int4")
 #: how an onnx engine's attention is lowered: onnxruntime's fused contrib ops, standard ONNX ops (any
@@ -78,10 +78,12 @@ def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | No
 class KVCalibration:
     """POP+ replacement K/V projections for the pruned layers (kvfit/calibrate.py):
 
-    ``none``  plain POP, the paper's (the layers' own k/v projections of h_cut)
-    ``auto``     fitted at compile time on the built-in corpus (2-5 min on CPU; export's default)
-    ``distill``  auto's fit, then distilled on KL(full || POP) of continuation tokens (POP++, distill.py;
-                 minutes more)
+    ``none``     plain POP, the paper's (the layers' own k/v projections of h_cut)
+    ``ridge``    POP+: fitted in closed form at compile time on the built-in corpus (2 min on CPU)
+    ``distill``  POP++: the ridge fit, then trained on KL(full || POP) of the full model's first greedy
+                 tokens (distill.py; 4-5 min on CPU; text models)
+    ``auto``     export's default: the best fit this model has, distill for a text model, ridge for a
+                 vision-language model (kvfit.fit.fit_method; docs/results.md "Greedy agreement")
     ``file``     a fit from ``popcompile calibrate`` (its cut must be the compile's)
     """
 
@@ -102,24 +104,24 @@ class KVCalibration:
 
     @classmethod
     def of(cls, value: Any) -> KVCalibration:
-        """From what users write: None/"none"/False, "auto"/True, "distill", a path (str or Path), or a
-        KVCalibration."""
+        """From what users write: None/"none"/False, "auto"/True, "ridge", "distill", a path (str or Path), or
+        a KVCalibration."""
         if isinstance(value, KVCalibration):
             return value
         if value is None or value is False or value == "none":
             return cls("none")
         if value is True or value == "auto":
             return cls("auto")
-        if value == "distill":
-            return cls("distill")
+        if value in ("ridge", "distill"):
+            return cls(value)
         if isinstance(value, (str, Path)) and str(value):
             path = Path(value)
             if not path.is_file():
-                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, distill, "
-                                  "or a file from `popcompile calibrate MODEL --out FILE`")
+                raise ConfigError(f"KV calibration file {path} does not exist: give auto, none, ridge, "
+                                  "distill, or a file from `popcompile calibrate MODEL --out FILE`")
             return cls("file", path)
-        raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, distill, or a file from "
-                          "`popcompile calibrate`")
+        raise ConfigError(f"kv_calibration={value!r} is not valid: give auto, none, ridge, distill, or a "
+                          "file from `popcompile calibrate`")
 
     def __str__(self) -> str:
         return str(self.path) if self.path is not None else self.mode

@@ -5,8 +5,8 @@ read and fill in); the progress bar and ``steps()`` read the names from that lis
 
     load                  frontend.models.load_model  a shipped name, a .gguf, a HF folder (or a LoadedModel)
     calibrate             config.resolve_cut,         the cut for this model's depth, resolved once; POP+
-                          kvfit.fit.kv_fit            weights (none | auto | file)
-    distill               kvfit.fit.kv_fit            kv_calibration distill only: POP++ weights (minutes)
+                          kvfit.fit.kv_fit            weights (none | ridge | file | auto on a VLM)
+    distill               kvfit.fit.kv_fit            POP++ weights (minutes): distill, auto on a text model
     (cast)                cast_model                  the model in the engine's dtype (no progress name)
     capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
     POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
@@ -46,7 +46,7 @@ from .frontend.models import LoadedModel, load_model
 from .frontend.vision import check_cut as check_vision_cut
 from .fsutil import destination_lock, staged_folder
 from .kvfit.calibrate import KVFit, read_fit
-from .kvfit.fit import DISTILL_STEP, kv_fit
+from .kvfit.fit import DISTILL_STEP, fit_method, kv_fit
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
 from .threshold import FIXED_MIN_PROMPT_TOKENS
@@ -118,13 +118,15 @@ def _calibrate(c: Compilation) -> None:
     text = c.loaded.model.config.get_text_config()  # a vision-language model's text decoder
     c.cut = c.config.resolve_cut(text.num_hidden_layers)
     check_vision_cut(c.loaded.model.config, c.cut)
-    if c.config.kv_calibration.mode != "distill":
+    if fit_method(c.loaded.model, c.config.kv_calibration) != "distill":  # distill: its own step
         c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
                        folder=c.model_folder)
 
 
 def _distill(c: Compilation) -> None:
-    c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, folder=c.model_folder)
+    if fit_method(c.loaded.model, c.config.kv_calibration) == "distill":
+        c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
+                       folder=c.model_folder)
 
 
 def _cast(c: Compilation) -> None:
@@ -161,7 +163,8 @@ def _graphs(config: PopConfig, target: Target) -> bool:
 
 
 def _distills(config: PopConfig, target: Target) -> bool:
-    return config.kv_calibration.mode == "distill"
+    """distill, and auto (which distils a text model; the model is not loaded yet when steps are listed)."""
+    return config.kv_calibration.mode in ("distill", "auto")
 
 
 #: the compile, in order (module docstring). ``steps()`` and the progress bar read the names from here.

@@ -69,11 +69,12 @@ class PopOptions:
         if config.min_prompt_tokens == "auto":
             raise ConfigError("pop backend: min_prompt_tokens='auto' is an export option: give an int >= 0 "
                               "(0: POP for every prompt)")
-        if config.kv_calibration.fits_now:  # auto, distill: minutes of fitting inside a compile call
+        if config.kv_calibration.fits_now:  # minutes of fitting inside a compile call
+            # auto: what export fits for a text model
+            method = "" if config.kv_calibration.mode == "ridge" else " --method distill"
             raise ConfigError(f"pop backend: kv_calibration={config.kv_calibration.mode!r} fits at export "
-                              "time only: make a file with `popcompile calibrate MODEL --out FILE"
-                              f"{' --method distill' if config.kv_calibration.mode == 'distill' else ''}"
-                              "` and give its path")
+                              f"time only: make a file with `popcompile calibrate MODEL --out FILE{method}` "
+                              "and give its path")
         object.__setattr__(self, "kv_calibration", config.kv_calibration)
         if not (callable(self.inner) or isinstance(self.inner, str)):
             raise TypeError(f"pop backend: inner={self.inner!r} must be a backend name ('inductor', 'eager') "

@@ -1,7 +1,7 @@
 """Compile a model with POP into an engine folder, then generate from it: POP's prefill next to the full
 model's.
 
-    python samples/export_and_run.py  # SmolLM2-135M: ~5 min on 2 CPU cores (POP+ fit, threshold)
+    python samples/export_and_run.py  # SmolLM2-135M: ~7 min on 2 CPU cores (POP++ fit, threshold)
     python samples/export_and_run.py --model gemma3-270m --out engines/gemma
     python samples/export_and_run.py --model path/to/hf-folder --kv-calibration none --min-prompt-tokens 0
 
@@ -17,7 +17,7 @@ import popcompile
 
 
 def export_and_run(model="smollm2-135m", out="engines/smol", prompt="Write a haiku about compilers.",
-                   config=popcompile.PopConfig(),  # POP+, deep third pruned, threshold measured
+                   config=popcompile.PopConfig(),  # POP++, deep third pruned, threshold measured
                    max_new_tokens=32):
     manifest = popcompile.compile(model, config, out=out, force=True)  # force: replace an older engine folder
     session = popcompile.open_session(out)  # onnxruntime on the CPU; runtime="tensorrt" on an NVIDIA GPU

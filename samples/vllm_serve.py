@@ -1,6 +1,6 @@
 """POP in vLLM: export a folder for vLLM, then generate from it with ``vllm.LLM`` (docs/vllm.md).
 
-    .venv-vllm/bin/python samples/vllm_serve.py  # SmolLM2-135M, POP+ (fits first: minutes)
+    .venv-vllm/bin/python samples/vllm_serve.py  # SmolLM2-135M, POP++ (fits first: minutes)
     .venv-vllm/bin/python samples/vllm_serve.py --kv-calibration none     # the paper's POP: seconds to export
     .venv-vllm/bin/python samples/vllm_serve.py --model path/to/hf-folder --out served/x --force
 

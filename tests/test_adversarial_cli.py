@@ -160,7 +160,7 @@ def test_out_that_is_a_symlink_is_refused(hf, tmp_path, capsys):
     (["--cut", "auto", "--min-agreement", "nan"], "--min-agreement"),
     (["--cut", "auto", "--min-agreement", "1.5"], "--min-agreement"),
     (["--min-prompt-tokens", "-3"], "--min-prompt-tokens"),
-    (["--kv-calibration", "distil"], "give auto, none, distill, or a file"),
+    (["--kv-calibration", "distil"], "give auto, none, ridge, distill, or a file"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_export_options_fail_in_a_second(hf, tmp_path, capsys, args, culprit):
     fails(capsys, ["export", hf, "--out", tmp_path / "engine", *args], culprit, within_s=1.0)
@@ -171,7 +171,8 @@ def test_export_help_names_the_distill_calibration_and_its_cost(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
-    assert "{auto,none,distill,FILE}" in text and "distill (POP++" in text and "minutes more on CPU" in text
+    assert "{auto,ridge,distill,none,FILE}" in text and "distill (POP++" in text and "4-5 min on CPU" in text
+    assert "auto (default: distill for a text model, ridge for a vision-language model)" in text
 
 
 @pytest.mark.parametrize("args, culprit", [

@@ -77,24 +77,25 @@ def test_distill_is_a_kv_calibration_mode_and_a_misspelling_names_the_modes():
         with pytest.raises(ConfigError) as err:
             PopConfig(kv_calibration=bad)
         assert "\n" not in str(err.value) and f"{bad} does not exist" in str(err.value)
-        assert "auto, none, distill, or a file" in str(err.value)
-    with pytest.raises(ConfigError, match="'distil' is not one of none, auto, distill, file"):
+        assert "auto, none, ridge, distill, or a file" in str(err.value)
+    with pytest.raises(ConfigError, match="'distil' is not one of none, auto, ridge, distill, file"):
         KVCalibration("distil")
 
 
-def test_export_distill_fits_then_distils_in_a_step_of_its_own(tiny_folder, tmp_path):
-    """kv_calibration distill: the ridge fit and its distillation (distill.ridge_then_distill) on the built-in
-    corpus (the tiny tokenizer reads it as unknown words: the windows exist, the quality does not matter
-    here); ~35 s."""
-    config = PopConfig(cut=2, kv_calibration="distill", max_seq=64, min_prompt_tokens=0)
+def test_export_auto_distils_a_text_model_in_a_step_of_its_own(tiny_folder, tmp_path):
+    """kv_calibration auto (the default) on a text model: the ridge fit and its distillation
+    (distill.ridge_then_distill) on the built-in prompts (the tiny tokenizer reads them as unknown words: the
+    windows exist, the quality does not matter here)."""
+    config = PopConfig(cut=2, max_seq=64, min_prompt_tokens=0)
     seen: list[str] = []
     manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
     assert seen == steps(config) and seen[:4] == ["load", "calibrate", "distill", "capture"]
     recorded = EngineManifest.read(tmp_path / "engine").extra["kv_calibration"]
     assert recorded == manifest.extra["kv_calibration"]
     assert recorded["method"] == "distill" and recorded["cut"] == 2 and recorded["num_layers"] == LAYERS
-    assert recorded["tokens"] % 560 == 0  # the distillation windows: 512 prompt + 48 scored tokens each
-    assert "distill" not in steps(PopConfig(kv_calibration="auto"))
+    assert recorded["tokens"] == 64 * 512  # the distillation windows: 64 prompts of 512 tokens
+    assert "distill" not in steps(PopConfig(kv_calibration="ridge"))
+    assert steps(PopConfig(cut=2, kv_calibration="distill", max_seq=64, min_prompt_tokens=0)) == seen
 
 
 @pytest.mark.parametrize("layers, config, cut", [
@@ -155,9 +156,9 @@ def test_the_vllm_target_writes_no_graphs_and_measures_nothing(tiny_folder, tmp_
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loaded = LoadedModel(model, tiny_tokenizer(97), ModelSource("tiny", "folder", "tiny", None))
     seen: list[str] = []
-    folder = compile(loaded, PopConfig(cut=4, kv_calibration=fit_file, dtype="float16"),
-                     out=tmp_path / "served", target="vllm", progress=seen.append)
-    assert seen == steps(PopConfig(), "vllm") == ["load", "calibrate", "write vLLM folder", "write manifest"]
+    config = PopConfig(cut=4, kv_calibration=fit_file, dtype="float16")
+    folder = compile(loaded, config, out=tmp_path / "served", target="vllm", progress=seen.append)
+    assert seen == steps(config, "vllm") == ["load", "calibrate", "write vLLM folder", "write manifest"]
     assert (folder.cut, folder.dtype, folder.kv_weights) == (4, "float16", "pop_kv.safetensors")
     assert sorted(p.name for p in (tmp_path / "served").iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "pop_kv.safetensors", "tokenizer.json",

@@ -215,7 +215,8 @@ def test_options_are_validated():
     assert PopOptions.from_dict({"prune_ratio": 0.5}).resolve_cut(30) == 15
     assert PopOptions().resolve_cut(30) == 20
     # minutes of fitting
-    for mode, fix in (("auto", "--out FILE`"), ("distill", "--out FILE --method distill`")):
+    for mode, fix in (("auto", "--out FILE --method distill`"), ("ridge", "--out FILE`"),
+                      ("distill", "--out FILE --method distill`")):
         with pytest.raises(ConfigError, match=f"kv_calibration='{mode}' fits at export time only.*{fix}"):
             PopOptions(kv_calibration=mode)
 

@@ -33,12 +33,12 @@ def register(sub) -> None:
     p.add_argument("--max-seq", type=int,
                    help="maximum tokens per sequence (default: min(4096, model limit))")
     p.add_argument("--kv-calibration", default=str(PopConfig().kv_calibration),
-                   metavar="{auto,none,distill,FILE}",
-                   help="POP+: refit the pruned layers' K/V projections in closed form: auto (default: fit "
-                        "now on the built-in corpus, 2-5 min on CPU; better quality at no inference cost, "
-                        "docs/results.md), distill (POP++: auto's fit, then trained on the output, "
-                        "KL(full || POP); minutes more on CPU), none (the paper's POP), or a file from "
-                        "`popcompile calibrate`")
+                   metavar="{auto,ridge,distill,none,FILE}",
+                   help="refit the pruned layers' K/V projections, at no inference cost: distill (POP++: "
+                        "trained on the full model's first greedy tokens, 4-5 min on CPU; greedy output "
+                        "closest to the full model's, docs/results.md), ridge (POP+: closed form, 2 min), "
+                        "auto (default: distill for a text model, ridge for a vision-language model), "
+                        "none (the paper's POP), or a file from `popcompile calibrate`")
     p.add_argument("--target", choices=list(TARGETS), default="onnx",
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU; vllm writes a folder "
                         "that `vllm serve` runs with POP, docs/vllm.md)")

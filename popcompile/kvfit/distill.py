@@ -193,17 +193,21 @@ def _run_window(model, ids: torch.Tensor, cut: int, continuation: int, targets: 
 
 
 @torch.no_grad()
-def _scored_vocab(model, teacher: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the teacher's logits [W, C, S] on the kept vocabulary rows, those rows [S] or None for all) from its
-    hidden states [W, C, d]: the union of every row's top ``top_k`` tokens (0: the whole vocabulary)."""
-    vocab_size = model.get_output_embeddings().out_features
-    if top_k == 0 or top_k >= vocab_size:
-        return torch.cat([head_logits(model, h[None]).float() for h in teacher]), None
-    kept = torch.zeros(vocab_size, dtype=torch.bool)
-    for h in teacher:  # one window's [C, d] at a time: [C, V] logits stay small
-        kept[head_logits(model, h[None]).topk(top_k, dim=-1).indices.flatten()] = True
+def _scored_vocab(model, teacher: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor | None]:
+    """(the teacher's logits [W, C, S] on the kept vocabulary rows, its argmax [W, C] over all of them, the
+    rows kept [S] or None for all) from its hidden states [W, C, d]: the union of every row's top ``top_k``
+    tokens (0: the whole vocabulary). One window's [C, V] logits at a time."""
+    whole = [head_logits(model, h[None]).float() for h in teacher] if top_k == 0 else None
+    if whole is not None:
+        return torch.cat(whole), torch.cat([x.argmax(-1) for x in whole]), None
+    kept, argmax = torch.zeros(model.get_output_embeddings().out_features, dtype=torch.bool), []
+    for h in teacher:
+        top = head_logits(model, h[None]).topk(top_k, dim=-1).indices  # [1, C, k], sorted: argmax first
+        kept[top.flatten()] = True
+        argmax.append(top[..., 0])
     vocab = kept.nonzero()[:, 0]
-    return torch.cat([head_logits(model, h[None], vocab).float() for h in teacher]), vocab
+    return torch.cat([head_logits(model, h[None], vocab).float() for h in teacher]), torch.cat(argmax), vocab
 
 
 def _precompute(model, windows: torch.Tensor, cut: int, config: DistillConfig,
@@ -217,10 +221,7 @@ def _precompute(model, windows: torch.Tensor, cut: int, config: DistillConfig,
         geometry = geometry or found
         report(i + 1)
     h_cut, h_in, hidden = (torch.cat(parts) for parts in zip(*runs))
-    with torch.no_grad():
-        targets = torch.cat([head_logits(model, h[None]).argmax(-1) for h in hidden])  # [W, C]
-    teacher, vocab = _scored_vocab(model, hidden, config.vocab_top_k)
-    return _Windows(h_cut, h_in, teacher, targets, vocab, geometry)
+    return _Windows(h_cut, h_in, *_scored_vocab(model, hidden, config.vocab_top_k), geometry)
 
 
 # --- the student: deep layers on the scored rows, cache from the trainable projections -----------

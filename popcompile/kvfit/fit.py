@@ -1,7 +1,8 @@
 """Every entry point's K/V weights, from one place.
 
     kv_fit(model, tokenizer, cut, kv_calibration)     export (driver), torch.compile (dynamo), the vLLM target
-        none -> None (plain POP) | file -> the fit read and checked | auto, distill -> fit_builtin
+        none -> None (plain POP) | file -> the fit read and checked | ridge, distill -> fit_builtin
+        auto -> fit_method's: distill for a text model, ridge for a vision-language model
     fit_builtin(model, tokenizer, cut, KVFitConfig)   the built-in corpus (builtin_batches) -> fit_cut
     fit_cut(model, tokens, cut, KVFitConfig)          `popcompile calibrate` (its own text) and fit_builtin:
         ridge   -> calibrate.fit_kv_cuts on [4, seq_len] batches (POP+); a vision-language model's are
@@ -20,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..config import KVCalibration, KVFitConfig
+from ..config import FIT_METHODS, KVCalibration, KVFitConfig
 from ..errors import ConfigError
 from ..frontend.vision import is_vision_language
 from .calibrate import KVFit, check_fit, check_fit_shapes, default_batches, fit_kv_cuts, load_fit
@@ -37,25 +38,36 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
            step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit | None:
     """The K/V weights ``kv`` asks for at ``cut``, for every entry point (export, torch.compile, eval).
 
-    none: plain POP (None). auto: the ridge fit on the built-in corpus, now (needs ``tokenizer``; a
+    none: plain POP (None). ridge: the ridge fit on the built-in corpus, now (needs ``tokenizer``; a
     vision-language model's windows are image+text, ``folder`` its model folder with the
-    preprocessor_config.json). distill: that fit distilled on windows of the same corpus (minutes;
-    ``step("distill")`` is reported before it starts; text models only). file: the fit read from it (or
-    ``fit``, read earlier by ``read_fit``), checked against ``cut`` and the model's shapes. None as well
-    when ``cut`` prunes nothing. ``config``: how auto and distill fit (default KVFitConfig(); its method is
-    the mode's)."""
+    preprocessor_config.json). distill: a ridge fit distilled on the built-in prompts (minutes;
+    ``step("distill")`` is reported before it starts; text models only). auto: ``fit_method``'s. file: the
+    fit read from it (or ``fit``, read earlier by ``read_fit``), checked against ``cut`` and the model's
+    shapes. None as well when ``cut`` prunes nothing. ``config``: how the built-in fits are made (default
+    KVFitConfig(); its method is the mode's)."""
     kv = KVCalibration.of(kv)
     layers = model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder
     if kv.mode == "none" or cut == layers:
         return None
     if kv.fits_now:
-        method = "distill" if kv.mode == "distill" else "ridge"
+        method = fit_method(model, kv)
         return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step,
                            folder=folder)
     fit = fit or load_fit(kv.path)
     check_fit(fit, cut, layers)
     check_fit_shapes(fit, model)
     return fit
+
+
+def fit_method(model: torch.nn.Module, kv: KVCalibration | str) -> str | None:
+    """The fitting method ``kv`` runs on ``model`` ("ridge" | "distill"), None for none and a file. auto, the
+    export default, is the best measured (docs/results.md, "Greedy agreement"): distill, whose greedy
+    generations match the full model's longest, except on a vision-language model, where distill is not
+    implemented (check_method) and ridge is."""
+    kv = KVCalibration.of(kv)
+    if kv.mode == "auto":
+        return "ridge" if is_vision_language(model) else "distill"
+    return kv.mode if kv.mode in FIT_METHODS else None
 
 
 def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig, *,

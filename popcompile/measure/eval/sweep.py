@@ -23,7 +23,7 @@ SWEEP_VARIANTS = ("pop", "pop-kvfit", "pop-distill")
 DEFAULT_SWEEP = ("pop", "pop-kvfit")
 #: kv_calibration mode -> the variant choose_cut scores. distill is chosen on its ridge start (pop-kvfit): a
 #: distillation per cut would take hours, and the distilled weights start from that fit
-CHOICE_VARIANT = {"none": "pop", "auto": "pop-kvfit", "distill": "pop-kvfit"}
+CHOICE_VARIANT = {"none": "pop", "auto": "pop-kvfit", "ridge": "pop-kvfit", "distill": "pop-kvfit"}
 METRICS = ("nll", "perplexity", "agreement", "accuracy", "kl_to_full")
 DATA_NAME = "continuation: stdlib sources + HumanEval solutions (eval_data.continuation_documents)"
 
