@@ -113,3 +113,18 @@ def test_calibration_prompts_cycle_kinds_under_the_template():
     body = raw[2].tolist()[len(instruction):]
     assert raw[0].tolist() == stream[:200] and body == stream[200:200 + len(body)]
     assert raw[4].tolist() == stream[200 + len(body):400 + len(body)]
+
+
+def test_a_template_that_refuses_a_lone_user_turn_gives_raw_prompts():
+    class Refusing(Templated):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            raise ValueError("conversation roles must alternate system/user/assistant")
+
+    class Rewriting(Templated):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "<u>" + messages[0]["content"].lower() + "</u>"
+
+    raw = distill_windows.prompt_windows(CharTokenizer(), 100, 4)
+    for tok in (Refusing(), Rewriting()):
+        assert distill_windows.template_parts(tok) is None
+        assert torch.equal(distill_windows.prompt_windows(tok, 100, 4), raw)

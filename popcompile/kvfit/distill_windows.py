@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
+from jinja2 import TemplateError
 
 from ..errors import InputError
 from .corpus import calibration_docs, documentation_topics, encode
@@ -47,11 +48,16 @@ def _take(stream: Iterator[int], count: int) -> list[int] | None:
 
 def template_parts(tokenizer: Any) -> tuple[list[int], list[int]] | None:
     """(ids before, ids after) a user message under the chat template with the generation prompt, or None
-    without a template."""
+    without a template (or one that refuses a lone user message or rewrites its text)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
-                                         add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                             add_generation_prompt=True)
+    except (ValueError, TypeError, TemplateError):  # a template that wants more than one user turn: raw text
+        return None
+    if text.count(_MARK) != 1:
+        return None
     before, after = text.split(_MARK)
     return (encode(tokenizer, before, add_special_tokens=False),
             encode(tokenizer, after, add_special_tokens=False))
