@@ -98,14 +98,22 @@ class Score:
 @dataclass(frozen=True)
 class DistillResult:
     fit: KVFit            # the best weights by ``select`` (the init's if training never improved on it)
-    initial_kl: float     # held-out KL(full || POP) with the init weights
-    best_kl: float        # held-out KL of ``fit``
     initial: Score        # held-out scores of the init weights
     best: Score           # held-out scores of ``fit``
     best_step: int        # the step ``fit`` was taken at (0: the init)
     steps_run: int        # steps done before the end or the early stop
     held_out: tuple[int, ...]  # the windows (rows of ``windows``) scored for early stopping, never trained on
     init: KVFit           # the fit training started from (ridge_then_distill's ridge fit)
+
+    @property
+    def initial_kl(self) -> float:
+        """Held-out KL(full || POP) with the init weights."""
+        return self.initial.kl
+
+    @property
+    def best_kl(self) -> float:
+        """Held-out KL of ``fit``."""
+        return self.best.kl
 
 
 @dataclass(frozen=True)
@@ -484,8 +492,7 @@ def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit,
     digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
     info = replace(init.info, tokens=windows.numel(), corpus_sha256=digest, method="distill")
     fit = check_finite(KVFit(info, best.weights), "the distilled fit")
-    return DistillResult(fit, initial.kl, best.score.kl, initial, best.score, best.step, steps,
-                         tuple(held.tolist()), init)
+    return DistillResult(fit, initial, best.score, best.step, steps, tuple(held.tolist()), init)
 
 
 def default_windows(tokenizer, config: DistillConfig = DistillConfig(), *, seq_len: int = KVFitConfig.seq_len,
