@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct on CPU, batch 1, onnxruntime's intra-op threads at 2 every
     optimum      optimum-cli export (fp32), run by optimum's ORTModelForCausalLM.generate  (/tmp/optimum-venv)
     genai-fp32   onnxruntime-genai model builder export, -p fp32 -e cpu, Generator API    (/tmp/genai-venv)
     genai-int4   the same, -p int4 -e cpu (builder defaults: MatMulNBits, block 32, accuracy level 4)
-    NAME-full    a popcompile engine folder given as --engine NAME=PATH, PopSession mode="full"   (.venv)
+    NAME-full    a popcompile engine folder given as --engine NAME=PATH, OrtSession mode="full"   (.venv)
     NAME-pop     the same engine, mode="pop" (always pruned: min_prompt_tokens=0)
 
 Method:

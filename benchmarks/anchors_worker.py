@@ -17,7 +17,7 @@ prints one line ``ANCHORS_RESULT {json}`` with the medians (and every value) of
 
 per kind:
 
-    popcompile  PopSession(folder, threads=T).generate([ids], SamplingConfig(greedy, max_new_tokens=N),
+    popcompile  OrtSession(folder, threads=T).generate([ids], SamplingConfig(greedy, max_new_tokens=N),
                 mode=full|pop, min_prompt_tokens=0): GenerationResult.ttft_s (prefill start -> first
                 token sampled) and .decode_tokens_per_s (steps / time after the first token). eos does not
                 stop it (the tokenizer's eos_token_ids are cleared), so every run makes N tokens.
@@ -62,9 +62,9 @@ def versions() -> dict:
 # ---------------------------------------------------------------------------------------------- engines
 class Popcompile:
     def __init__(self, path: str, mode: str, threads: int, new_tokens: int):
-        from popcompile.runtime.ort import PopSession
+        from popcompile.runtime.ort import OrtSession
         from popcompile.runtime.sampling import SamplingConfig
-        self.session = PopSession(path, threads=threads)
+        self.session = OrtSession(path, threads=threads)
         self.session.tokenizer.eos_token_ids = ()  # generate exactly new_tokens tokens, like the others
         self.sampling = SamplingConfig(greedy=True, max_new_tokens=new_tokens)
         self.mode, self.new_tokens = mode, new_tokens

@@ -7,7 +7,7 @@ a manifest without a weights sha256 gets one in the copy) and a private hash cac
 ~/.cache is never touched. Stages:
 manifest read + validation, path resolution, sha256 of each file (no cache), the cache lookup that
 replaces it, the external-data scan of each graph, onnxruntime's session creation, and whole
-PopSession loads without and with a warm hash cache. Medians of ``--reps`` runs; the page cache is warm
+OrtSession loads without and with a warm hash cache. Medians of ``--reps`` runs; the page cache is warm
 (the files were read just before), as on any second load.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from popcompile.engine.manifest import MANIFEST, EngineManifest, engine_file, sha256_file
 from popcompile.engine.verify import HashCache
 from popcompile.runtime.onnx_refs import external_refs
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.ort_load import load_graph
 
 
@@ -67,7 +67,7 @@ def stages(folder: Path, reps: int, cache_dir: Path) -> list[tuple[str, float]]:
         rows.append((f"sha256 {file} ({size:.1f} MiB)",
                      median_ms(lambda file=file: sha256_file(folder / file), reps)))
     cache = HashCache(cache_dir)
-    PopSession(folder, hash_cache=cache)  # fills the cache
+    OrtSession(folder, hash_cache=cache)  # fills the cache
     lookups = [(folder / f, (folder / f).stat()) for f in files.values()]
     rows.append(("cache lookup of the 3 verified hashes",
                  median_ms(lambda: [cache.lookup(p.resolve(), s) for p, s in lookups], reps)))
@@ -78,10 +78,10 @@ def stages(folder: Path, reps: int, cache_dir: Path) -> list[tuple[str, float]]:
     rows.append(("onnxruntime sessions (both graphs)", median_ms(
         lambda: [load_graph(folder / files[n], ort.SessionOptions(), ["CPUExecutionProvider"])
                  for n in manifest.graphs], reps)))
-    rows.append(("PopSession, no hash cache",
-                 median_ms(lambda: PopSession(folder, hash_cache=HashCache(None)), reps)))
-    rows.append(("PopSession, warm hash cache",
-                 median_ms(lambda: PopSession(folder, hash_cache=cache), reps)))
+    rows.append(("OrtSession, no hash cache",
+                 median_ms(lambda: OrtSession(folder, hash_cache=HashCache(None)), reps)))
+    rows.append(("OrtSession, warm hash cache",
+                 median_ms(lambda: OrtSession(folder, hash_cache=cache), reps)))
     return rows
 
 

@@ -9,7 +9,7 @@ sources, tokenized with the engine folder's tokenizer):
                       shape [1, kv_heads, 0, head_dim]); TTFT = that forward + argmax of the last logits.
                       The export returns logits for ALL N positions (an [N, vocab] LM head matmul and
                       output), which is what a user of the export gets; reported as is.
-    popcompile full:  PopSession(engine).generate(ids, max_new_tokens=1, mode="full").ttft_s
+    popcompile full:  OrtSession(engine).generate(ids, max_new_tokens=1, mode="full").ttft_s
     popcompile POP:   the same with mode="pop" (prefill graph on x_1..x_{N-1}, decode graph on x_N)
 
 With ``--last-logits`` a fourth column is timed as a diagnostic, not as what a user gets: optimum's graph
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 from popcompile.runtime.tokenizer import EngineTokenizer
 
@@ -116,7 +116,7 @@ def last_logits_variant(src: Path, dst: Path) -> Path:
     return dst
 
 
-def popcompile_logits(session: PopSession, ids: list[int], mode: str) -> tuple[np.ndarray, int]:
+def popcompile_logits(session: OrtSession, ids: list[int], mode: str) -> tuple[np.ndarray, int]:
     """The logits the first token is sampled from (the decode graph's last output) and that token."""
     captured = []
     run = session._run
@@ -135,7 +135,7 @@ def popcompile_logits(session: PopSession, ids: list[int], mode: str) -> tuple[n
     return captured[0][0], result.token_ids[0]
 
 
-def check_same_model(optimum: OptimumModel, session: PopSession, ids: list[int]) -> dict:
+def check_same_model(optimum: OptimumModel, session: OrtSession, ids: list[int]) -> dict:
     ref = optimum.last_logits(ids)
     full, full_token = popcompile_logits(session, ids, "full")
     pop, pop_token = popcompile_logits(session, ids, "pop")
@@ -145,7 +145,7 @@ def check_same_model(optimum: OptimumModel, session: PopSession, ids: list[int])
             "argmax": {"optimum": int(np.argmax(ref)), "full": full_token, "pop": pop_token}}
 
 
-def measure(optimum: OptimumModel, session: PopSession, ids: list[int], reps: int,
+def measure(optimum: OptimumModel, session: OrtSession, ids: list[int], reps: int,
             last: OptimumModel | None = None) -> dict:
     runs = {
         "optimum": lambda: optimum.ttft(ids),
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    session = PopSession(args.engine)
+    session = OrtSession(args.engine)
     optimum = OptimumModel(args.optimum)
     last = OptimumModel(last_logits_variant(args.optimum, args.last_logits_dir)) if args.last_logits else None
     ids_all = EngineTokenizer.from_folder(args.engine).encode(real_text())

@@ -91,10 +91,10 @@ def ort_setup(args, part: str) -> Setup:
         continuation_logits,
         greedy,
     )
-    from popcompile.runtime.ort import PopSession
+    from popcompile.runtime.ort import OrtSession
 
     folder = Path(args.engines) / args.model
-    session = PopSession(folder, threads=args.threads)
+    session = OrtSession(folder, threads=args.threads)
     run, tok = EngineRun(session), EvalTokenizer(session.tokenizer)
     manifest = session.manifest
     config = json.loads((folder / "config.json").read_text())

@@ -1,7 +1,7 @@
 """TTFT of POP vs full with onnxruntime, side by side in one run, and decode speed of both.
 
 For each model an engine folder is exported once (cached in ~/.cache/popcompile/bench-engines) and one
-PopSession runs both modes on the same prompt token ids (real text: standard-library sources):
+OrtSession runs both modes on the same prompt token ids (real text: standard-library sources):
 
     pop:  prefill.onnx on x_1..x_N, x_N's logits out       (boundary folded, the default engine)
           prefill.onnx on x_1..x_{N-1}, decode.onnx on x_N  (--boundary separate)
@@ -37,7 +37,7 @@ from popcompile.cost import speedup_bound
 from popcompile.driver import export
 from popcompile.engine.manifest import BOUNDARIES
 from popcompile.runtime.kvbuffer import KVBuffer
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
 CACHE = Path.home() / ".cache" / "popcompile" / "bench-engines"
@@ -64,13 +64,13 @@ def real_text() -> str:
     return "\n".join(inspect.getsource(m) for m in (j, t, a, g, i))
 
 
-def time_mode(session: PopSession, ids: list[int], mode: str, new_tokens: int = 1):
+def time_mode(session: OrtSession, ids: list[int], mode: str, new_tokens: int = 1):
     result = session.generate([ids], SamplingConfig(max_new_tokens=new_tokens), mode=mode)[0]
     return result.ttft_s, result.decode_tokens_per_s
 
 
-def measure(session: PopSession, ids: list[int], reps: int,
-            others: dict[str, PopSession] | None = None) -> dict:
+def measure(session: OrtSession, ids: list[int], reps: int,
+            others: dict[str, OrtSession] | None = None) -> dict:
     """Interleaved medians of TTFT (and decode tok/s) of full and POP, and of POP in each of ``others``
     (another engine of the same model: "popplus", refitted K/V weights; "separate", the boundary step
     as its own call), with the median of its paired TTFT ratio to POP's as ``{name}_over_pop``."""
@@ -99,7 +99,7 @@ def measure(session: PopSession, ids: list[int], reps: int,
     return row
 
 
-def split(session: PopSession, ids: list[int], reps: int) -> dict:
+def split(session: OrtSession, ids: list[int], reps: int) -> dict:
     """Graph-only medians (s): full graph on N tokens; prefill graph on N-1 and the boundary step over
     its rows (fed straight from the prefill's outputs); interleaved, one warm-up round."""
     layout, n = session.layout, len(ids)
@@ -134,7 +134,7 @@ def split(session: PopSession, ids: list[int], reps: int) -> dict:
     return {f"{name}_graph_s": statistics.median(values[1:]) for name, values in times.items()}
 
 
-def step_costs(session: PopSession, rows: int, reps: int) -> dict:
+def step_costs(session: OrtSession, rows: int, reps: int) -> dict:
     """One decode step after ``rows`` cached rows (ms, medians, interleaved): the decode graph's run,
     gathering the past into fresh arrays (the runtime before IO binding) or into the staging area
     (now), and the zero-copy alternative: the graph over the whole max_seq buffer, masked."""
@@ -213,9 +213,9 @@ def main() -> None:
           f"{'of bound':>8} {'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
     for model in args.models:
         folder = engine(model, args.dtype, boundary=args.boundary)
-        session = PopSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
-        def other(kv_calibration: str, boundary: str, model: str = model) -> PopSession:
-            return PopSession(engine(model, args.dtype, kv_calibration, boundary), provider=args.provider,
+        session = OrtSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
+        def other(kv_calibration: str, boundary: str, model: str = model) -> OrtSession:
+            return OrtSession(engine(model, args.dtype, kv_calibration, boundary), provider=args.provider,
                               threads=args.threads, io_binding=args.io_binding)
 
         others = {}
@@ -248,7 +248,7 @@ def main() -> None:
 
 def print_step_costs(args) -> None:
     for model in args.models:
-        session = PopSession(engine(model, args.dtype, boundary=args.boundary), provider=args.provider,
+        session = OrtSession(engine(model, args.dtype, boundary=args.boundary), provider=args.provider,
                              threads=args.threads)
         for rows in args.step_cost:
             cost = step_costs(session, rows, args.reps)

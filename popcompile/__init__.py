@@ -20,6 +20,8 @@ _PUBLIC = {
     "compile": "popcompile.driver",
     "PopConfig": "popcompile.config",
     "KVCalibration": "popcompile.config",
+    "KVFitConfig": "popcompile.config",
+    "DistillConfig": "popcompile.config",
     "WeightQuantization": "popcompile.config",
     "OnnxTarget": "popcompile.exporters.targets",
     "TensorRTTarget": "popcompile.exporters.targets",
@@ -42,7 +44,9 @@ _PUBLIC = {
     "OutputError": "popcompile.errors",
 }
 
-__all__ = sorted(_PUBLIC) + ["__version__"]
+#: deprecated names: importable (with a DeprecationWarning), not exported by ``import *``
+_DEPRECATED = {"PopSession"}
+__all__ = sorted(set(_PUBLIC) - _DEPRECATED) + ["__version__"]
 
 
 def __getattr__(name: str):

@@ -6,10 +6,11 @@
                                               from `popcompile calibrate`
               dtype="float32", max_seq=None,  engine precision, KV buffer length
                                               (None: min(4096, model limit))
-              min_prompt_tokens="auto")       prompts shorter than this prefill in full ("auto": measured)
+              min_prompt_tokens="auto",       prompts shorter than this prefill in full ("auto": measured)
+              kv_fit=KVFitConfig())           how auto / ridge / distill fit (steps, windows, ridge, ...)
 
 Every entry point builds one (the CLI from flags, ``torch.compile`` from ``options=``, Python users
-directly) and hands it to the driver (``compile.py``) or the backend (``dynamo.py``). An object that
+directly) and hands it to the driver (``driver.py``) or the backend (``dynamo.py``). An object that
 exists is valid for any model; ``resolve_cut`` checks it against the model's depth once it is known.
 Nothing here imports torch.
 """
@@ -37,8 +38,7 @@ FITTED_MODES = ("auto", "ridge", "distill")
 #: weight formats of an ONNX engine: float (the engine's dtype) or onnxruntime's MatMulNBits blocks
 WEIGHT_FORMATS = ("float", "int8", "int4")
 #: how an onnx engine's attention is lowered: onnxruntime's fused contrib ops, standard ONNX ops (any
-#: runtime), or auto: fused for float32 graphs, standard for float16 ones (there the fusions leave
-#: mixed-type norms)
+#: runtime), or auto: decided per dtype by exporters.targets.OnnxTarget.lowering
 ATTENTION_LOWERINGS = ("auto", "fused", "standard")
 
 
@@ -52,23 +52,29 @@ def is_prune_ratio(value: object) -> bool:
             and 0.0 <= value < 1.0)
 
 
+def check_cut_choice(cut: object, prune_ratio: object) -> None:
+    """The one check of a requested cut before the model's depth is known: ``cut`` an integer >= 1 or
+    ``prune_ratio`` a share (is_prune_ratio), not both; ConfigError naming the flag and the keyword."""
+    if cut is not None and prune_ratio is not None:
+        raise ConfigError("give either cut or prune_ratio (--cut / --prune-ratio), not both")
+    if cut is not None and (not _is_int(cut) or cut < 1):
+        raise ConfigError(f"{_named('cut', cut)} is not a layer index: give an integer >= 1")
+    if prune_ratio is not None and not is_prune_ratio(prune_ratio):
+        raise ConfigError(f"{_named('prune_ratio', prune_ratio)} is out of range: use 0 <= ratio < 1")
+
+
 def resolve_cut(num_layers: int, cut: int | None = None, prune_ratio: float | None = None) -> int:
     """The first pruned layer: ``cut`` as given, else ``L - floor(L * prune_ratio)`` (default 1/3).
 
     ``cut == num_layers`` prunes nothing. Raises ConfigError (a ValueError) on values of the wrong type
     or out of range.
     """
-    if cut is not None and prune_ratio is not None:
-        raise ConfigError("give either cut= or prune_ratio=, not both")
+    check_cut_choice(cut, prune_ratio)
     if cut is None:
         ratio = DEFAULT_PRUNE_RATIO if prune_ratio is None else prune_ratio
-        if not is_prune_ratio(ratio):
-            raise ConfigError(f"prune_ratio={ratio} is out of range: use 0 <= prune_ratio < 1")
         # The small epsilon keeps 1/3 of 30 layers at exactly 10 despite float rounding.
         cut = num_layers - math.floor(num_layers * ratio + 1e-9)
-    if not _is_int(cut):
-        raise ConfigError(f"cut must be an int layer index, got {cut!r}")
-    if not 1 <= cut <= num_layers:
+    if not cut <= num_layers:
         raise ConfigError(f"cut={cut} is out of range for a model with {num_layers} layers: "
                           f"use 1..{num_layers}")
     return cut
@@ -180,18 +186,14 @@ class PopConfig:
     dtype: str = "float32"
     max_seq: int | None = None
     min_prompt_tokens: int | str = "auto"
+    #: how auto / ridge / distill fit the pruned layers' K/V at compile time (ridge, windows, distill steps)
+    kv_fit: "KVFitConfig" = field(default_factory=lambda: KVFitConfig())
     #: how an automatic cut was chosen (method, figures): recorded in the manifest's ``extra``
     cut_choice: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_calibration", KVCalibration.of(self.kv_calibration))
-        if self.cut is not None and self.prune_ratio is not None:
-            raise ConfigError("give either cut or prune_ratio (--cut / --prune-ratio), not both")
-        if self.cut is not None and (not _is_int(self.cut) or self.cut < 1):
-            raise ConfigError(f"{_named('cut', self.cut)} is not a layer index: give an integer >= 1")
-        if self.prune_ratio is not None and not is_prune_ratio(self.prune_ratio):
-            raise ConfigError(f"{_named('prune_ratio', self.prune_ratio)} is out of range: "
-                              "use 0 <= ratio < 1")
+        check_cut_choice(self.cut, self.prune_ratio)
         if self.dtype not in DTYPES:
             raise ConfigError(f"{_named('dtype', self.dtype)} is not supported: "
                               f"choose one of {', '.join(DTYPES)}")
@@ -204,6 +206,9 @@ class PopConfig:
         if not (self.min_prompt_tokens == "auto" or is_token_count(self.min_prompt_tokens)):
             raise ConfigError(f"{_named('min_prompt_tokens', self.min_prompt_tokens)} is not valid: "
                               "give auto (measure at export) or an integer >= 0 (0: POP for every prompt)")
+        if not isinstance(self.kv_fit, KVFitConfig):
+            raise ConfigError(f"kv_fit={self.kv_fit!r} is not a KVFitConfig: give "
+                              "KVFitConfig(distill=DistillConfig(steps=...)) or leave the default")
 
     def resolve_cut(self, num_layers: int) -> int:
         """The first pruned layer for a model of ``num_layers`` layers (ConfigError when out of range)."""

@@ -40,6 +40,7 @@ from .config import PopConfig, resolve_cut
 from .engine.manifest import BOUNDARIES, EngineManifest
 from .errors import ConfigError
 from .exporters.checks import check_output_folder
+from .exporters.steps import WRITE_MANIFEST
 from .exporters.targets import Compiled, Target, target_for
 from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
     from .exporters.vllm import ServingFolder
 
 MEASURE_STEP = "measure min_prompt_tokens"
-WRITE_MANIFEST = "write manifest"
 
 
 @dataclass
@@ -120,13 +120,13 @@ def _calibrate(c: Compilation) -> None:
     check_vision_cut(c.loaded.model.config, c.cut)
     if fit_method(c.loaded.model, c.config.kv_calibration) != "distill":  # distill: its own step
         c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
-                       folder=c.model_folder)
+                       config=c.config.kv_fit, folder=c.model_folder)
 
 
 def _distill(c: Compilation) -> None:
     if fit_method(c.loaded.model, c.config.kv_calibration) == "distill":
         c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
-                       folder=c.model_folder)
+                       config=c.config.kv_fit, folder=c.model_folder)
 
 
 def _cast(c: Compilation) -> None:
@@ -223,7 +223,7 @@ def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:
 
 def build_graphs(
     model: torch.nn.Module, *, cut: int | None = None, prune_ratio: float | None = None,
-    max_seq: int | None = None, kv_weights: KVWeights | None = None, boundary: str = "folded",
+    max_seq: int | None = None, kv_weights: KVWeights | None = None, boundary: str = PopConfig.boundary,
 ) -> GraphPair:
     """Capture ``model`` and derive its prefill graph (capture + POP pass, no export): cut and boundary are
     validated before any tracing."""

@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
 from .passes.layers import find_layers, module_path
 from .passes.static_seq import symbolize_sequence
-from .threshold import FIXED_MIN_PROMPT_TOKENS
+from .threshold import FIXED_MIN_PROMPT_TOKENS, uses_pop
 
 #: prompts shorter than this prefill with the full graph (options={"min_prompt_tokens": N} overrides it;
 #: 0: POP for every prompt). docs/prompt_length.md: the threshold rule (popcompile/threshold.py, 1.2x) on
@@ -127,7 +127,8 @@ class PopBackend:
             self.records.append(GraphRecord(kind, before, before, reason=reason))
             return _inner(opts.inner)(gm, example_inputs)
         cut, num_layers, logits_rows, seq, static_len = plan
-        if static_len is not None and static_len < opts.min_prompt_tokens:  # this graph only ever sees N
+        # a static graph only ever sees N
+        if static_len is not None and not uses_pop(static_len, opts.min_prompt_tokens):
             reason = f"prompt length {static_len} < min_prompt_tokens={opts.min_prompt_tokens}"
             self.records.append(GraphRecord("prefill-full", before, before, cut, num_layers, reason,
                                             static_len))
@@ -170,7 +171,7 @@ class PopBackend:
             if sizes.value(logits_rows, args) != 1:
                 self._warn(_ALL_ROWS)
                 return False
-            return sizes.value(seq, args) >= opts.min_prompt_tokens
+            return uses_pop(sizes.value(seq, args), opts.min_prompt_tokens)
         return use_pop
 
     def _warn(self, reason: str) -> None:
@@ -239,13 +240,10 @@ def _fold(gm: fx.GraphModule, cut: int, kv_weights, static_len: int | None) -> N
 
 
 def _kv_weights(opts: PopOptions, cut: int, num_layers: int):
-    if opts.kv_calibration.mode == "none" or cut == num_layers:
-        return None
-    from .kvfit.calibrate import check_fit, read_fit
+    from .kvfit.fit import file_fit
 
-    fit = read_fit(opts.kv_calibration)
-    check_fit(fit, cut, num_layers)  # ValueError naming the cut to calibrate for
-    return fit.weights
+    fit = file_fit(opts.kv_calibration, cut, num_layers)  # a file's: ValueError naming the cut to fit for
+    return None if fit is None else fit.weights
 
 
 def _is_one(size) -> bool:

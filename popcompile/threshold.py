@@ -37,6 +37,12 @@ def is_token_count(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
+def uses_pop(prompt_tokens, min_prompt_tokens):
+    """The one rule that picks a prefill: POP for a prompt of ``prompt_tokens`` when it is at least
+    ``min_prompt_tokens``, the full model below. Elementwise on numpy arrays (the vLLM runner's batch)."""
+    return prompt_tokens >= min_prompt_tokens
+
+
 def choose_min_prompt_tokens(measurements: Mapping[int, float],
                              min_speedup: float = DEFAULT_MIN_SPEEDUP) -> int:
     """The shortest measured prompt length from which every measured speedup is >= ``min_speedup``.

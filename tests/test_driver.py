@@ -13,7 +13,7 @@ from tiny_engine import has_tensorrt_gpu, tiny_hf_folder, tiny_tokenizer
 
 import popcompile
 from popcompile.cli import main
-from popcompile.config import KVCalibration, PopConfig
+from popcompile.config import DistillConfig, KVCalibration, KVFitConfig, PopConfig
 from popcompile.driver import compile, steps
 from popcompile.engine.manifest import EngineManifest
 from popcompile.engine.tensorrt import TensorRTUnavailable
@@ -96,6 +96,18 @@ def test_export_auto_distils_a_text_model_in_a_step_of_its_own(tiny_folder, tmp_
     assert recorded["tokens"] == 64 * 512  # the distillation windows: 64 prompts of 512 tokens
     assert "distill" not in steps(PopConfig(kv_calibration="ridge"))
     assert steps(PopConfig(cut=2, kv_calibration="distill", max_seq=64, min_prompt_tokens=0)) == seen
+
+
+def test_compile_takes_the_fits_own_config(tiny_folder, tmp_path):
+    """PopConfig(kv_fit=...) reaches the fit: a short distillation (4 windows of 64 tokens, 3 steps) instead
+    of the default's 64 x 512 tokens and 900 steps."""
+    short = KVFitConfig(seq_len=64, distill=DistillConfig(steps=3, windows=4, eval_every=1))
+    config = PopConfig(cut=2, max_seq=64, min_prompt_tokens=0, kv_fit=short)
+    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine")
+    recorded = manifest.extra["kv_calibration"]
+    assert recorded["method"] == "distill" and recorded["tokens"] == 4 * 64, recorded
+    with pytest.raises(ConfigError, match="kv_fit=.* is not a KVFitConfig"):
+        PopConfig(kv_fit={"steps": 3})
 
 
 @pytest.mark.parametrize("layers, config, cut", [

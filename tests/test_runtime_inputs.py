@@ -1,7 +1,7 @@
 """The runtime API's inputs are checked at the boundary: token ids, sampling options, session options.
 
 No engine needed: the checks run before any graph does (tests/test_engine_loading.py runs them through
-a real PopSession too).
+a real OrtSession too).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import FIT_METHODS, is_prune_ratio
+from ..config import FIT_METHODS, check_cut_choice
 from ..errors import ConfigError, InputError, OutputError
 from ..fsutil import check_destination
 from .common import (
@@ -62,8 +62,7 @@ def register(sub) -> None:
 def cmd_calibrate(args) -> None:
     check_range("--seq-len", args.seq_len, 1)  # before torch is imported: bad options fail in a second
     check_range("--max-tokens", args.max_tokens, 1)
-    if args.prune_ratio is not None and not is_prune_ratio(args.prune_ratio):
-        raise ConfigError(f"--prune-ratio must be within 0 <= ratio < 1, got {args.prune_ratio}")
+    check_cut_choice(args.cut, args.prune_ratio)
     check_range("--ridge", args.ridge, 0.0)
     config = fit_config(args)
     check_output_file(args.out, args.force)

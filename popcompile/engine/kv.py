@@ -23,6 +23,8 @@ import numpy as np
 from ..errors import ConfigError
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
+#: bytes per element of the dtypes an engine's tensors take (the KV buffer's, the graphs' inputs)
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 #: upper bounds of a sane layout: a manifest asking for more is damaged, not a model (4M tokens of context,
 #: 64k layers/heads/head_dim); the KV buffer itself is checked against memory when it is allocated
 LIMITS = {"num_layers": 1 << 16, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "max_seq": 1 << 22}
@@ -71,8 +73,7 @@ class KVLayout:
 
     def bytes_per_token(self) -> int:
         """K and V of all layers for one token of one sequence."""
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
 
     def allocate(self, batch: int) -> np.ndarray:
         """The one buffer of a session, zero-filled. bfloat16 has no numpy dtype: use float32 host-side."""

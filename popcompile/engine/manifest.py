@@ -27,6 +27,16 @@ VISION_FORMAT_VERSION = 4
 #: (``attention.shared_kv``: a graph may read and write the KV buffer in place; a version-2 runtime would bind
 #: it wrongly, so it refuses 3) and 4 (``vision``)
 READABLE_VERSIONS = (1, 2, 3, 4)
+
+
+def format_version(vision: bool) -> int:
+    """The version a new engine's manifest is written with: VISION_FORMAT_VERSION with a vision section."""
+    return VISION_FORMAT_VERSION if vision else FORMAT_VERSION
+
+
+def is_readable_version(value: object) -> bool:
+    """The one rule for a manifest's ``format_version``: one of READABLE_VERSIONS (an int, not a bool)."""
+    return _is_int(value) and value in READABLE_VERSIONS
 #: how POP's boundary token x_N reaches the full model (docs/kv.md):
 #:   folded    the prefill graph takes x_1..x_N, runs x_N alone through the deep layers and returns its logits
 #:   separate  the prefill graph takes x_1..x_{N-1}; the decode graph runs x_N over their rows
@@ -130,7 +140,7 @@ _MANIFEST_FIELDS = {
     "eos_token_ids": (lambda v: isinstance(v, tuple) and all(map(_is_count, v)), "a list of token ids"),
     "target": (lambda v: isinstance(v, str), "a string"),
     "format": (lambda v: v == FORMAT, repr(FORMAT)),
-    "format_version": (lambda v: _is_int(v) and v in READABLE_VERSIONS, f"one of {READABLE_VERSIONS}"),
+    "format_version": (is_readable_version, f"one of {READABLE_VERSIONS}"),
     "extra": (lambda v: isinstance(v, dict), "an object"),
     "tensorrt": (lambda v: isinstance(v, dict), "an object"),
     "boundary": (lambda v: isinstance(v, str) and v in BOUNDARIES, f"one of {', '.join(BOUNDARIES)}"),
@@ -242,7 +252,7 @@ class EngineManifest:
         if data.get("format") != FORMAT:
             raise EngineError(f"{folder}: not a popcompile engine (format {_short(data.get('format'))})")
         version = data.get("format_version")
-        if not _is_int(version) or version not in READABLE_VERSIONS:
+        if not is_readable_version(version):
             raise EngineError(
                 f"{folder}: engine format version {_short(version)} is not supported by this "
                 f"popcompile (version {FORMAT_VERSION}): re-export the model with this version")

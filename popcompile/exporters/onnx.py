@@ -26,14 +26,14 @@ import onnx
 import torch
 
 from ..config import WeightQuantization
-from ..engine.manifest import VISION_FORMAT_VERSION, EngineManifest, GraphEntry, sha256_file
+from ..engine.manifest import EngineManifest, GraphEntry, format_version, sha256_file
 from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
 from ..frontend.models import LoadedModel
 from ..frontend.vision import vision_record, vision_spec
 from ..passes.prefill import GraphPair
 from .ort_passes import ORT_PASSES, OrtContext
 from .quantize import quantize_weights
-from .steps import FUSE_STEP, QUANTIZE_STEP, VISION_STEP, onnx_write_steps
+from .steps import ONNX_WRITE_STEPS, onnx_write_steps
 
 OPSET = 20
 WEIGHTS = "weights.bin"
@@ -98,10 +98,10 @@ def _write_folder(w: _Writing) -> None:
     w.loaded.model.config.to_json_file(w.folder / "config.json")  # geometry for cost models and tools
 
 
-#: what each of steps.ONNX_WRITE_STEPS does, by name
-_RUN = {"export decode graph": _export_decode, "export prefill graph": _export_prefill,
-        VISION_STEP: _export_vision, FUSE_STEP: _fuse, QUANTIZE_STEP: _quantize,
-        "write engine folder": _write_folder}
+#: what each of steps.ONNX_WRITE_STEPS does, by name (the names are that list's, in its order)
+_RUN = dict(zip((step.name for step in ONNX_WRITE_STEPS),
+                (_export_decode, _export_prefill, _export_vision, _fuse, _quantize, _write_folder),
+                strict=True))
 
 
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: dict,
@@ -121,8 +121,8 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: di
     if vision:
         record = vision_record(loaded.model, loaded.tokenizer, loaded.source.path)
         section = {"graph": asdict(_graph_entry(tmp / VISION_FILE)), **record}
-    version = {"format_version": VISION_FORMAT_VERSION} if vision else {}
-    return _manifest(tmp, loaded, pair, writing.weights_bytes, provenance, vision=section, **version,
+    return _manifest(tmp, loaded, pair, writing.weights_bytes, provenance, vision=section,
+                     format_version=format_version(vision),
                      quantization=quantization.to_manifest(), attention=writing.attention)
 
 

@@ -34,6 +34,8 @@ ONNX_WRITE_STEPS = (
 VISION_STEP, FUSE_STEP, QUANTIZE_STEP = (step.name for step in ONNX_WRITE_STEPS if step.needs)
 #: the steps every ONNX folder goes through (the TensorRT target writes standard, float weights)
 ONNX_STEPS = tuple(step.name for step in ONNX_WRITE_STEPS if step.needs is None)
+#: the record written last: the export driver's final step, and build-trt's after its plans
+WRITE_MANIFEST = "write manifest"
 
 
 def onnx_write_steps(attention: str, quantized: bool, vision: bool = False) -> tuple[WriteStep, ...]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
-from ..config import ATTENTION_LOWERINGS, WeightQuantization
+from ..config import ATTENTION_LOWERINGS, PopConfig, WeightQuantization
 from ..engine.manifest import GRAPH_INPUTS as TEXT_INPUTS
 from ..engine.manifest import EngineManifest
 from ..errors import ConfigError
@@ -35,7 +35,6 @@ from .tensorrt import PLAN_STEPS, TrtBuildConfig
 VLLM_WRITE_STEP = "write vLLM folder"
 
 if TYPE_CHECKING:
-    from ..config import PopConfig
     from ..frontend.models import LoadedModel
     from ..kvfit.calibrate import KVFit
     from ..passes.prefill import GraphPair
@@ -81,8 +80,9 @@ class OnnxTarget:
 
     @property
     def steps(self) -> tuple[str, ...]:
-        attention = "standard" if self.attention == "standard" else "fused"  # auto: fused until resolved
-        return tuple(step.name for step in onnx_write_steps(attention, self.weights.bits is not None))
+        """The write steps; an unresolved target (no ``for_config`` yet) counts those of the default dtype."""
+        return tuple(step.name for step in onnx_write_steps(self.lowering(PopConfig.dtype),
+                                                            self.weights.bits is not None))
 
     def lowering(self, dtype: str) -> str:
         """fused or standard, for graphs of ``dtype``: the one place "auto" is decided."""

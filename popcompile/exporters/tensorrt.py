@@ -55,12 +55,15 @@ from ..engine.tensorrt import (
 )
 from ..errors import ConfigError, EngineError
 from ..fsutil import atomic_write, destination_lock
+from .steps import WRITE_MANIFEST
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 TIMING_CACHE = "timing.cache"
 #: the progress steps plan_engines reports, in order; build_engines (``build-trt``) then writes the manifest
-PLAN_STEPS = ("check graphs", "detect GPU", "build prefill.plan", "build decode.plan")
-WRITE_MANIFEST = "write manifest"
+CHECK_STEP, GPU_STEP = "check graphs", "detect GPU"
+#: one build step per plan, prefill first: "build prefill.plan", "build decode.plan"
+BUILD_PLAN_STEPS = {name: f"build {file}" for name, file in PLANS.items()}
+PLAN_STEPS = (CHECK_STEP, GPU_STEP, *BUILD_PLAN_STEPS.values())
 BUILD_STEPS = (*PLAN_STEPS, WRITE_MANIFEST)
 
 
@@ -176,7 +179,7 @@ def plan_engines(folder: Path, manifest: EngineManifest, config: TrtBuildConfig,
     onnx_sha = _check_graphs(folder, manifest)
     static = not has_sliding_window(folder)
     plan = profiles(manifest.kv_layout, config, static_decode=static)
-    step("detect GPU")
+    step(GPU_STEP)
     require_gpu()
     trt = _import_tensorrt()
     gpu, capability = gpu_info()
@@ -254,8 +257,8 @@ def _build_plans(trt, folder: Path, manifest: EngineManifest, plan: dict, config
     builder = trt.Builder(logger)
     cache = _load_timing_cache(builder, cache_path)
     plans, seconds = {}, {}
-    for name in ("prefill", "decode"):
-        step(f"build {PLANS[name]}")
+    for name, build_step in BUILD_PLAN_STEPS.items():
+        step(build_step)
         start = time.perf_counter()
         data = _build_one(trt, builder, logger, folder / manifest.graphs[name].file, plan[name], config,
                           cache)

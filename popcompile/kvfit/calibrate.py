@@ -94,27 +94,6 @@ def batch_kind(batch: Any) -> BatchKind:
     return kind
 
 
-class _Moments:
-    """Running X^T X and X^T Y (float64) of one projection; X gets a ones column when a bias is fitted."""
-
-    def __init__(self, d_in: int, d_out: int, bias: bool):
-        self.bias = bias
-        width = d_in + int(bias)
-        self.xtx = torch.zeros(width, width, dtype=torch.float64)
-        self.xty = torch.zeros(width, d_out, dtype=torch.float64)
-
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        # x: [tokens, d_in], y: [tokens, d_out]
-        x = x.double()
-        if self.bias:
-            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
-        self.xtx += x.T @ x
-        self.xty += x.T @ y.double()
-
-    def solve(self, ridge: float) -> Projection:
-        return ridge_solve(self.xtx, self.xty, ridge, self.bias)
-
-
 def ridge_solve(xtx: torch.Tensor, xty: torch.Tensor, ridge: float, bias: bool) -> Projection:
     """``argmin ||X W - Y||^2 + lam ||W||^2`` from the moments (float64), ``lam = ridge * mean(diag(X^T X))``.
 
@@ -134,46 +113,17 @@ def ridge_solve(xtx: torch.Tensor, xty: torch.Tensor, ridge: float, bias: bool) 
     return Projection(weight=w[:-1].T.float().contiguous(), bias=w[-1].float().contiguous())
 
 
-@torch.no_grad()
 def fit_kv(
     model: torch.nn.Module, batches: Iterable[torch.Tensor], cut: int, *, ridge: float = KVFitConfig.ridge,
     bias: bool = DEFAULT_FIT_BIAS["ridge"], progress: Callable[[int], None] | None = None,
 ) -> KVFit:
     """Fit replacement k/v projections for layers ``cut+1..L-1`` on calibration batches (BATCH_KINDS: token
     ids [B, T], no padding, or a VLM's ImageWindows); a bias for every projection with ``bias``, else only
-    where the model's projection has one."""
-    check_ridge(ridge)
-    check_bias(bias)
-    spec, layers = arch_spec(model.config), model.get_decoder().layers
-    if not 1 <= cut < len(layers):
-        raise ConfigError(f"cut={cut} prunes nothing to calibrate: use 1..{len(layers) - 1}")
-    moments: dict[tuple[int, str], _Moments] = {}
-    digest, tokens = hashlib.sha256(), 0
-    for batch in batches:
-        kind = batch_kind(batch)
-        ids = kind.ids(batch)
-        digest.update(ids.numpy().tobytes())
-        tokens += ids.numel()
-        hidden = kind.layer_inputs(model, batch)  # [l]: input of layer l, [B, T, d]
-        for index in range(cut + 1, len(layers)):  # layer `cut` already reads h_cut: nothing to fit
-            layer = layers[index]
-            norm = layer.get_submodule(spec.input_norm)
-            x = norm(hidden[cut]).flatten(0, 1)
-            x_true = norm(hidden[index]).flatten(0, 1)
-            for part in PARTS:
-                proj = layer.get_submodule(getattr(spec, part))
-                key = (index, part)
-                fresh = _Moments(proj.in_features, proj.out_features, fits_bias(proj, bias))
-                moments.setdefault(key, fresh).add(x, proj(x_true))
-        if progress is not None:
-            progress(ids.numel())
-    if tokens == 0:
-        raise InputError("no calibration tokens: give a non-empty corpus")
-    weights: dict[int, dict[str, Projection]] = {}
-    for (index, part), m in moments.items():
-        weights.setdefault(index, {})[part] = m.solve(ridge)
-    info = CalibrationInfo(cut, len(layers), ridge, tokens, digest.hexdigest(), bias=bias)
-    return check_finite(KVFit(info, weights), "the fit")
+    where the model's projection has one. ``fit_kv_cuts`` at one cut: one ridge solver (CutMoments)."""
+    layers = len(model.get_decoder().layers)
+    if not 1 <= cut < layers:
+        raise ConfigError(f"cut={cut} prunes nothing to calibrate: use 1..{layers - 1}")
+    return fit_kv_cuts(model, batches, [cut], ridge=ridge, bias=bias, progress=progress)[cut]
 
 
 # --- every cut in one pass ------------------------------------------------------------------------
@@ -182,7 +132,7 @@ def fit_kv(
 # per-channel scale (Llama: w, Gemma 3: 1 + w). With N_c = [n(h_c), 1] ([T, d+1]) and S'_l = diag(s_l, 1):
 #     X^T X = S'_l (N_c^T N_c) S'_l,    X^T Y_l = S'_l (N_c^T Y_l)
 # N_c^T N_c depends only on the cut, N_c^T Y_l on the cut and the layer: one pass over the corpus
-# accumulates both for every cut, and each cut's fit is then fit_kv's ridge solve on these moments.
+# accumulates both for every cut, and each cut's fit is then ridge_solve on these moments.
 # Memory (float64): sum over cuts of (d+1)^2 + (d+1) * 2 * kv_width * (L-1-c); SmolLM2, cuts 15..28:
 # 15 * 2.7 MB + 105 * 1.8 MB = 226 MB; Gemma-3-270M, cuts 9..16: 8 * 3.3 MB + 36 * 2.6 MB = 120 MB.
 
@@ -192,8 +142,8 @@ def norm_eps(norm: torch.nn.Module) -> float:
         value = getattr(norm, name, None)
         if isinstance(value, float):
             return value
-    raise UnsupportedModelError(f"{type(norm).__name__} has no variance_epsilon/eps: fit_kv_cuts needs an "
-                                "RMS norm; use fit_kv per cut")
+    raise UnsupportedModelError(f"{type(norm).__name__} has no variance_epsilon/eps: the K/V fit needs an "
+                                "RMS norm")
 
 
 def rms_unit(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -214,8 +164,7 @@ def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tenso
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     if err > 1e-4:
         raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error "
-                                    f"{err:.2e}): fit_kv_cuts needs an RMS norm with a per-channel scale; "
-                                    "use fit_kv per cut")
+                                    f"{err:.2e}): the K/V fit needs an RMS norm with a per-channel scale")
 
 
 class _AllCutMoments:

@@ -1,8 +1,9 @@
 """Every entry point's K/V weights, from one place.
 
-    kv_fit(model, tokenizer, cut, kv_calibration)     export (driver), torch.compile (dynamo), the vLLM target
-        none -> None (plain POP) | file -> the fit read and checked | ridge, distill -> fit_builtin
-        auto -> fit_method's: distill for a text model, ridge for a vision-language model
+    kv_fit(model, tokenizer, cut, kv_calibration)     export (driver), eval, the vLLM target
+        none -> None (plain POP) | file -> file_fit, then checked against the model's shapes
+        ridge, distill -> fit_builtin | auto -> fit_method's: distill for a text model, ridge for a VLM
+    file_fit(kv_calibration, cut, num_layers)         kv_fit without a model: torch.compile (dynamo)
     fit_builtin(model, tokenizer, cut, KVFitConfig)   the built-in corpus (builtin_batches) -> fit_cut
     fit_cut(model, tokens, cut, KVFitConfig)          `popcompile calibrate` (its own text) and fit_builtin:
         ridge   -> calibrate.fit_kv_cuts on [4, seq_len] batches (POP+); a vision-language model's are
@@ -47,15 +48,26 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
     KVFitConfig(); its method is the mode's)."""
     kv = KVCalibration.of(kv)
     layers = model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder
-    if kv.mode == "none" or cut == layers:
-        return None
-    if kv.fits_now:
+    if kv.fits_now and cut < layers:
         method = fit_method(model, kv)
         return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step,
                            folder=folder)
+    fit = file_fit(kv, cut, layers, fit)
+    if fit is not None:
+        check_fit_shapes(fit, model)
+    return fit
+
+
+def file_fit(kv: KVCalibration, cut: int, num_layers: int, fit: KVFit | None = None) -> KVFit | None:
+    """``kv_fit`` where no model is at hand (the torch.compile backend sees graphs only): None for none and
+    for a cut that prunes nothing; a file's fit (``fit`` when read already) checked against ``cut``. The
+    modes fitted at compile time need the model: ConfigError."""
+    if kv.mode == "none" or cut == num_layers:
+        return None
+    if kv.fits_now:
+        raise ConfigError(f"kv_calibration={kv.mode!r} fits on the model: call kv_fit with it")
     fit = fit or load_fit(kv.path)
-    check_fit(fit, cut, layers)
-    check_fit_shapes(fit, model)
+    check_fit(fit, cut, num_layers)
     return fit
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch.export import ExportedProgram
 
+from ..config import PopConfig
 from ..engine.kv import KVLayout
 from ..frontend.capture import CapturedModel, export_flat
 from .boundary import fold_boundary_pass
@@ -28,13 +29,13 @@ class GraphPair:
     layout: KVLayout
     cut: int
     num_layers: int
-    boundary: str = "folded"
+    boundary: str = PopConfig.boundary
     #: both graphs' inputs before the KV rows (frontend/capture.Interface.names)
     inputs: tuple[str, ...] = ("input_ids", "position_ids", "attention_mask")
 
 
 def prefill_graph(captured: CapturedModel, cut: int, kv_weights: KVWeights | None = None,
-                  boundary: str = "folded") -> ExportedProgram:
+                  boundary: str = PopConfig.boundary) -> ExportedProgram:
     """Run a POP pass on a copy of the decode graph and export the result (same inputs)."""
     gm = captured.program.module()  # a fresh GraphModule: the decode program stays untouched
     if boundary == "folded":
@@ -46,7 +47,7 @@ def prefill_graph(captured: CapturedModel, cut: int, kv_weights: KVWeights | Non
 
 
 def pop_graphs(captured: CapturedModel, cut: int, kv_weights: KVWeights | None = None,
-               boundary: str = "folded") -> GraphPair:
+               boundary: str = PopConfig.boundary) -> GraphPair:
     """The decode graph (``captured``, untouched) and its prefill graph at ``cut`` (already resolved)."""
     prefill = prefill_graph(captured, cut, kv_weights, boundary)
     return GraphPair(captured.program, prefill, captured.layout, cut, captured.num_layers, boundary,

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..cost import speedup_bound
 from ..engine.manifest import engine_file
 from ..errors import ConfigError, EngineError
-from ..threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
+from ..threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens, uses_pop
 from .loop import GenerationResult
 
 
@@ -54,7 +54,7 @@ class Comparison:
     @property
     def pop_by_default(self) -> bool:
         """Would a plain ``run`` of this prompt use POP's prefill?"""
-        return self.prompt_tokens >= self.min_prompt_tokens
+        return uses_pop(self.prompt_tokens, self.min_prompt_tokens)
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "full": self.full.to_dict(), "pop": self.pop.to_dict(),

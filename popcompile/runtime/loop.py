@@ -24,7 +24,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import ConfigError, InputError
-from ..threshold import ALWAYS_POP, is_token_count
+from ..threshold import ALWAYS_POP, is_token_count, uses_pop
 from .kvstore import KVStore
 from .sampling import Sampler, SamplingConfig, StopChecker, StopStrings
 from .tokenizer import EngineTokenizer, StreamDecoder
@@ -178,7 +178,7 @@ def threshold(value: int | None, default: int) -> int:
 def prefill_path(mode: str, prompts: list[list[int]], min_prompt_tokens: int) -> str:
     """"pop" or "full": a batch prefills with POP only when its shortest prompt has ``min_prompt_tokens``
     or more (one graph call serves the whole batch, so one short prompt makes the batch full)."""
-    return "pop" if mode == "pop" and min(map(len, prompts)) >= min_prompt_tokens else "full"
+    return "pop" if mode == "pop" and uses_pop(min(map(len, prompts)), min_prompt_tokens) else "full"
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

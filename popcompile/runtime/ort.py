@@ -8,6 +8,7 @@ tokenizers and jinja2.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -217,5 +218,13 @@ class OrtSession(Session):
         return self.backend, self._buffer(batch)
 
 
-#: the earlier name of OrtSession (deprecated): the same class, kept for existing callers
-PopSession = OrtSession
+#: earlier names (deprecated) -> their current ones: the same objects, with a DeprecationWarning on use
+_RENAMED = {"PopSession": "OrtSession"}
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        warnings.warn(f"popcompile.runtime.ort.{name} is deprecated: use {_RENAMED[name]} (the same class)",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,6 +37,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from ..engine.kv import ITEMSIZE
 from ..engine.manifest import EngineManifest, is_file_name
 from ..engine.tensorrt import PLANS, TensorRTUnavailable, TrtSection, check_section, is_count, require_gpu
 from ..engine.verify import HashCache, verify_file
@@ -45,7 +46,6 @@ from .kvstore import KVBookkeeping
 from .session import Session
 
 KV_BINDINGS = ("auto", "static", "gather")
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 

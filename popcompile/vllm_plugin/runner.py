@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..threshold import uses_pop
 from .patching import wrap_once
 from .settings import PopSettings
 
@@ -57,7 +58,7 @@ def short_prompt_tokens(runner, requests: int) -> np.ndarray:
     threshold = PopSettings.of(runner.model_config.hf_config).min_prompt_tokens
     prompt = runner.input_batch.num_prompt_tokens[:requests]
     computed = runner.input_batch.num_computed_tokens_cpu[:requests]  # before this step's tokens
-    short = np.flatnonzero((prompt < threshold) & (computed < prompt))
+    short = np.flatnonzero(~uses_pop(prompt, threshold) & (computed < prompt))
     if not short.size:
         return short
     starts = runner.query_start_loc.np[:requests + 1]  # request i's tokens: starts[i]..starts[i+1]-1

@@ -1,6 +1,6 @@
 """``EvalConfig``: what ``popcompile eval`` runs, validated once (before any model is loaded).
 
-Plain data, no torch import: the CLI builds it from its flags, ``evaluate.run_eval`` and
+Plain data, no torch import: the CLI builds it from its flags, ``run.run_eval`` and
 ``engine.run_engine_eval`` read it.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import DistillConfig, is_prune_ratio
+from ...config import DistillConfig, check_cut_choice
 from ...errors import ConfigError, OutputError
 from ...fsutil import check_destination
 
@@ -67,12 +67,11 @@ class EvalConfig:
         sizes = {"--limit": self.limit, "--prefix-len": self.prefix_len, "--cont-len": self.cont_len,
                  "--gen-tokens": self.gen_tokens, "--greedy-tokens": self.greedy_tokens,
                  "--code-tokens": self.code_tokens,
-                 "--batch-size": self.batch_size, "--threads": self.threads, "--cut": self.cut}
+                 "--batch-size": self.batch_size, "--threads": self.threads}
         for flag, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{flag} must be >= 1, got {value!r} (a whole number)")
-        if self.prune_ratio is not None and not is_prune_ratio(self.prune_ratio):
-            raise ConfigError(f"--prune-ratio must be within 0 <= ratio < 1, got {self.prune_ratio}")
+        check_cut_choice(self.cut, self.prune_ratio)
         if not (math.isfinite(self.min_agreement) and 0.0 <= self.min_agreement <= 1.0):
             raise ConfigError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
         if self.code_prompt not in PROMPT_FORMATS:

@@ -1,4 +1,4 @@
-"""``popcompile eval ENGINE_FOLDER``: score an exported engine itself, with onnxruntime (``PopSession``).
+"""``popcompile eval ENGINE_FOLDER``: score an exported engine itself, with onnxruntime (``OrtSession``).
 
 Two variants, the two modes of the runtime on the engine's own graphs::
 
@@ -20,7 +20,7 @@ holds one cut. Tasks, data, metrics and the results schema are ``scoring.py``'s 
 - continuation: the decode graph returns the logits of its last position only ([B, V]), so after the
   prefix (the runtime's prefill, ``loop.Generation.prefill``, in the variant's mode) the continuation
   runs as C-1 one-token decode steps: [B, C, V].
-- generation: ``PopSession.generate`` (greedy), one prompt at a time, as the runtime serves it.
+- generation: ``OrtSession.generate`` (greedy), one prompt at a time, as the runtime serves it.
 - greedy: the full model's greedy tokens by decode steps in mode full, each variant's logits on them as in
   continuation (greedy.py).
 - humaneval: greedy steps through the same prefill and decode steps with humaneval.py's stop rule (the
@@ -45,7 +45,7 @@ from .humaneval import humaneval_scores
 from .report import write_results
 from .scoring import BASELINE, VARIANTS, batch_size_for, generation_task, score_continuations, timed
 
-#: variant -> PopSession mode
+#: variant -> OrtSession mode
 ENGINE_VARIANTS = {"full": "full", "pop": "pop"}
 
 
@@ -147,7 +147,7 @@ def greedy(run: EngineRun, ids: list[int], mode: str, max_new_tokens: int, eos_t
 
 
 def session_generate(session: Any, max_new_tokens: int) -> Callable[[str, list[int]], list[int]]:
-    """(variant, prompt ids) -> new ids: greedy ``PopSession.generate`` in the variant's mode, as served
+    """(variant, prompt ids) -> new ids: greedy ``OrtSession.generate`` in the variant's mode, as served
     (pop always pruned: min_prompt_tokens 0)."""
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     return lambda name, ids: session.generate([ids], sampling, mode=ENGINE_VARIANTS[name],
@@ -186,7 +186,7 @@ def _vocab(session: Any) -> int:
 
 def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int, cont_len: int,
             limit: int | None, provider: str) -> dict:
-    """results.json's fields before the tasks: evaluate.run_eval's, plus the engine, provider and K/V fit."""
+    """results.json's fields before the tasks: run.run_eval's, plus the engine, provider and K/V fit."""
     from ...cost import speedup_bound
     from ...runtime.compare import text_config
 
@@ -208,7 +208,7 @@ def _header(folder: str | Path, session: Any, names: list[str], prefix_len: int,
 
 
 def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
-    """``evaluate.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the
+    """``run.run_eval`` on an engine folder: write ``out/results.json`` and the plots; return the
     results."""
     from ...runtime import open_session
 
