@@ -18,6 +18,9 @@ from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.measure import analyze
 from popcompile.measure.gates import gate_pass
 
+# one worker runs this file: each architecture's gated scorer, captured once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_analyze")
+
 LAYERS = 4
 CONTEXT, GEN, BATCH = 12, 6, 2
 # Central difference (L(1+eps) - L(1-eps)) / 2eps against autograd's dL/dg, float32 model:
@@ -349,10 +352,8 @@ def test_cli_defaults_are_the_config_defaults():
 # --- the real models ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
-def test_real_model_small_run(name, tmp_path):
-    from popcompile.frontend.models import load_model
-
-    loaded = load_model(name)
+def test_real_model_small_run(name, tmp_path, real_model):
+    loaded = real_model(name)
     config = analyze.AnalyzeConfig(samples=4, context_len=64, gen_len=16, batch_size=2)
     start = time.perf_counter()
     report = analyze.run_analyze(loaded.model, loaded.tokenizer, config, name=name)

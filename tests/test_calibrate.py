@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import onnx
 import pytest
 import torch
+from engine_cache import export_key
 from tiny import tiny_model
 from tiny_engine import tiny_engine
 
 from popcompile import reference
 from popcompile.frontend.arch import DECODER_TYPES
-from popcompile.frontend.models import load_model
 from popcompile.kvfit.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
 
@@ -87,20 +88,15 @@ def _prefill_ops(folder) -> Counter:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("boundary", ["separate", "folded"])
-def test_calibrated_engine_has_the_same_nodes(tmp_path, boundary, bias):
+def test_calibrated_engine_has_the_same_nodes(engines, boundary, bias):
     """separate: the prefill graph's nodes are exactly the plain one's (only weights change). folded: x_N
     is in the same graph and keeps the model's own K/V weights, so each refitted projection adds one
     MatMul for that one row (and the ops that pick the row); nothing else computes more. With a fitted
     bias (llama has none) each refitted layer adds one Add: its [bk|bv] after the packed [Wk|Wv] MatMul
     (exporters/ort_pack.py); x_N's row (model's own weights) gets none."""
-    model = tiny_model("llama", layers=4)
-    with torch.no_grad():
-        fit = fit_kv(model, [torch.randint(0, 97, (2, 16))], 2, bias=bias)
-    save_fit(fit, tmp_path / "kv.safetensors")
-    added = {"Add": len(fit.weights)} if bias else {}  # layer 3 only: layer 2 = cut reads h_cut already
-    plain = tiny_engine("llama", tmp_path / "plain", cut=2, boundary=boundary)
-    refit = tiny_engine("llama", tmp_path / "refit", cut=2, kv_calibration=tmp_path / "kv.safetensors",
-                        boundary=boundary)
+    refit = _fitted_engine(engines, "llama", bias, boundary=boundary)
+    added = {"Add": 1} if bias else {}  # layer 3 only: layer 2 = cut reads h_cut already
+    plain = engines.tiny("llama", cut=2, boundary=boundary)
     before, after = _prefill_ops(plain), _prefill_ops(refit)
     if boundary == "separate":
         assert after == before + Counter(added)
@@ -120,8 +116,8 @@ def test_calibration_corpus_is_held_out_from_evaluation():
     assert not set(CALIBRATION_MODULES) & set(STDLIB_MODULES)
 
 
-def test_smollm2_refit_reduces_kv_error_on_held_out_text():
-    loaded = load_model("smollm2-135m")
+def test_smollm2_refit_reduces_kv_error_on_held_out_text(real_model):
+    loaded = real_model("smollm2-135m")
     model, cut = loaded.model, 20
     with torch.no_grad():
         fit = fit_kv(model, default_batches(loaded.tokenizer, seq_len=256, max_tokens=8192), cut)
@@ -242,18 +238,31 @@ def test_shape_check_takes_a_fitted_bias_and_refuses_a_wrong_one():
         check_fit_shapes(missing, qwen)
 
 
-def _bias_fit(arch: str, path) -> object:
-    """A ridge fit with a bias for every projection, of the model tiny_engine exports (same seed), cut 2."""
+def _bias_fit(arch: str, path=None, bias: bool = True) -> object:
+    """A ridge fit (with a bias for every projection unless ``bias=False``) of the model tiny_engine exports
+    (same seed), cut 2, saved at ``path``; deterministic, so an engine built from it once per run
+    (``_fitted_engine``) holds the fit a test recomputes."""
     model = tiny_model(arch)
     batches = [torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     with torch.no_grad():
-        fit = fit_kv(model, batches, 2, bias=True)
-    save_fit(fit, path)
+        fit = fit_kv(model, batches, 2, bias=bias)
+    if path is not None:
+        save_fit(fit, path)
     return model, fit
 
 
+def _fitted_engine(engines, arch: str, bias: bool = True, **export_kwargs):
+    """tiny_engine(arch, cut=2) with ``_bias_fit``'s fit, built once per run (the fit file beside it)."""
+    def build(out):
+        fit_file = out.with_name(out.name.removesuffix(".staged") + ".kv.safetensors")
+        _bias_fit(arch, fit_file, bias)
+        tiny_engine(arch, out, cut=2, kv_calibration=fit_file, **export_kwargs)
+    key = export_key({"cut": 2, "kv_calibration": "none", **export_kwargs})
+    return engines.get(f"tiny-{arch}-fit", build, arch, bias, key)
+
+
 @pytest.mark.parametrize("arch", sorted(DECODER_TYPES))
-def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
+def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(engines, arch):
     """The exported folded prefill (fused ORT graphs, packed [Wk|Wv] + one Add of [bk|bv]) on x_1..x_N:
     rows 1..N-1 of every layer are reference.prefill_cache with the fit; x_N's logits and row are the
     reference's boundary step (deep layers' x_N row from the model's own weights, no bias)."""
@@ -261,17 +270,17 @@ def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
     from tiny import empty_past
 
     from popcompile.engine.manifest import EngineManifest
-    from popcompile.runtime.ort import PopSession
+    from popcompile.runtime.ort import OrtSession
 
-    model, fit = _bias_fit(arch, tmp_path / "kv.safetensors")
-    folder = tiny_engine(arch, tmp_path / "engine", cut=2, kv_calibration=tmp_path / "kv.safetensors")
+    model, fit = _bias_fit(arch)
+    folder = _fitted_engine(engines, arch)
     manifest = EngineManifest.read(folder)
     prompt = torch.randint(0, 97, (1, 13))  # longer than the tiny sliding windows (4, 5)
     n = prompt.shape[1]
     feeds = {"input_ids": prompt.numpy(), "position_ids": np.arange(n)[None],
              "attention_mask": np.ones((1, n), np.int64),
              **dict(zip(manifest.kv_layout.past_names, (t.numpy() for t in empty_past(manifest.kv_layout))))}
-    logits, *kv = PopSession(folder).sessions["prefill"].run(None, feeds)
+    logits, *kv = OrtSession(folder).sessions["prefill"].run(None, feeds)
     variant = reference.Variant(2, kv_weights=fit.weights)
     with torch.no_grad():
         rows = reference.prefill_cache(model, prompt[:, :-1], 2, kv_weights=fit.weights)
@@ -289,7 +298,7 @@ def test_engine_with_a_bias_fit_equals_the_pop_plus_reference(tmp_path, arch):
     assert (rows.layers[3].values - plain.layers[3].values).abs().max() > 1e-3, "the fit must change layer 3"
 
 
-def test_bias_fit_engines_quantise_and_pass_the_tensorrt_check(tmp_path):
+def test_bias_fit_engines_quantise_and_pass_the_tensorrt_check(engines):
     """int8 (MatMulNBits, exporters/quantize.py): the packed k/v MatMul is quantised and its bias Add stays
     float after it; the standard-op graphs the tensorrt target writes pass its compatibility check."""
     import numpy as np
@@ -299,12 +308,11 @@ def test_bias_fit_engines_quantise_and_pass_the_tensorrt_check(tmp_path):
     from popcompile.engine.manifest import EngineManifest
     from popcompile.exporters.targets import OnnxTarget
     from popcompile.exporters.tensorrt_compat import check_engine
-    from popcompile.runtime.ort import PopSession
+    from popcompile.runtime.ort import OrtSession
 
-    _bias_fit("llama", tmp_path / "kv.safetensors")
-    folders = {fmt: tiny_engine("llama", tmp_path / fmt, cut=2, kv_calibration=tmp_path / "kv.safetensors",
-                                target=OnnxTarget(WeightQuantization(fmt, block_size=16)))
-               for fmt in ("float", "int8")}
+    int8 = OnnxTarget(WeightQuantization("int8", block_size=16))
+    folders = {"float": _fitted_engine(engines, "llama"),
+               "int8": _fitted_engine(engines, "llama", target=int8)}
     graph = onnx.load(str(folders["int8"] / "prefill.onnx"), load_external_data=False).graph
     producer = {o: n for n in graph.node for o in n.output}
     biased = [n for n in graph.node if n.op_type == "Add" and n.name.startswith("pop_pack/")]
@@ -314,9 +322,8 @@ def test_bias_fit_engines_quantise_and_pass_the_tensorrt_check(tmp_path):
     feeds = {"input_ids": prompt, "position_ids": np.arange(11)[None],
              "attention_mask": np.ones((1, 11), np.int64),
              **dict(zip(manifest.kv_layout.past_names, (t.numpy() for t in empty_past(manifest.kv_layout))))}
-    want, got = (PopSession(folders[f]).sessions["prefill"].run(None, feeds) for f in ("float", "int8"))
+    want, got = (OrtSession(folders[f]).sessions["prefill"].run(None, feeds) for f in ("float", "int8"))
     for a, b in zip(got, want):
         assert np.linalg.norm(a - b) <= 0.06 * np.linalg.norm(b)  # test_quantize.py's INT8_REL
-    standard = tiny_engine("llama", tmp_path / "standard", cut=2, kv_calibration=tmp_path / "kv.safetensors",
-                           target=OnnxTarget(attention="standard"))
+    standard = _fitted_engine(engines, "llama", target=OnnxTarget(attention="standard"))
     assert check_engine(standard).ok

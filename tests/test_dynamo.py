@@ -231,10 +231,8 @@ def test_backend_name_resolves_without_importing_popcompile():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from popcompile.frontend.models import load_model
-
-    return load_model("smollm2-135m")
+def smollm2(real_model):
+    return real_model("smollm2-135m")
 
 
 def test_smollm2_generate_equals_eager_pop_token_for_token(smollm2):

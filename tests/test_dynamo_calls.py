@@ -197,13 +197,11 @@ REAL = {"smollm2-135m": 20, "gemma3-270m": 12}  # default cut: 1/3 of 30 / 18 la
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
-def test_real_model_generate_without_dynamic_equals_eager_pop(name):
+def test_real_model_generate_without_dynamic_equals_eager_pop(name, real_model):
     """The issue's call, no dynamic= and the default min_prompt_tokens: the first prompt and a second of
     another length give the eager POP reference's greedy tokens exactly (inner "eager": the reference's
     kernels)."""
-    from popcompile.frontend.models import load_model
-
-    loaded = load_model(name)
+    loaded = real_model(name)
     model, tokenizer = loaded.model, loaded.tokenizer
     texts = ["The json module encodes and decodes JSON. To read a file, open it and call json.load on the "
              "file object; to write one, call json.dump with the object and the file. Both take keyword "

@@ -13,18 +13,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from tiny import empty_past, tiny_model
-from tiny_engine import tiny_engine, tiny_tokenizer
+from tiny import empty_past
 
 from popcompile import reference
-from popcompile.driver import export
 from popcompile.engine.kv import KVLayout
 from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.errors import InputError
 from popcompile.exporters.targets import OnnxTarget
-from popcompile.frontend.models import LoadedModel, ModelSource, load_model
 from popcompile.runtime.kvbuffer import KVBuffer
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
 ONNX_ATOL = 1e-4  # fp32 ORT vs eager torch logits: different kernels, same math
@@ -35,47 +32,39 @@ MAX_SEQ = 512
 PROMPT = inspect.getsource(json.decoder)[:1200]  # real text, a few hundred tokens
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "popcompile.cli", *args], capture_output=True, text=True)
-    if check:
-        assert result.returncode == 0, result.stderr[-2000:]
-    return result
+@pytest.fixture(scope="module")
+def smol_engine(engines) -> Path:
+    """Exported through the CLI (itself the end-to-end test of `popcompile export` on a real model), once per
+    run."""
+    from popcompile.cli import main
+
+    args = ["--max-seq", str(MAX_SEQ), "--kv-calibration", "none", "--min-prompt-tokens", "0"]
+    build = lambda out: main(["export", "smollm2-135m", "--out", str(out), *args])
+    return engines.get("smollm2-cli", build, args)
 
 
 @pytest.fixture(scope="module")
-def smol_engine(tmp_path_factory) -> Path:
-    """Exported once through the CLI (itself the end-to-end test of `popcompile export`)."""
-    out = tmp_path_factory.mktemp("engines") / "smollm2"
-    cli("export", "smollm2-135m", "--out", str(out), "--max-seq", str(MAX_SEQ), "--kv-calibration", "none",
-        "--min-prompt-tokens", "0")
-    return out
-
-
-@pytest.fixture(scope="module")
-def gemma_engine(tmp_path_factory) -> Path:
+def gemma_engine(real_engines) -> Path:
     """Standard ONNX ops (smol_engine has the default, onnxruntime's fused attention): both lowerings meet
     every real-model test, and this one is what TensorRT takes."""
-    out = tmp_path_factory.mktemp("engines") / "gemma3"
-    export("gemma3-270m", out, max_seq=MAX_SEQ, kv_calibration="none", min_prompt_tokens=0,
-           target=OnnxTarget(attention="standard"))
-    return out
+    return real_engines.real("gemma3-270m", max_seq=MAX_SEQ, target=OnnxTarget(attention="standard"))
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return load_model("smollm2-135m")
+def smol(real_model):
+    return real_model("smollm2-135m")
 
 
 def _ids(folder: Path, text: str = PROMPT) -> list[int]:
-    return PopSession(folder).tokenizer.encode(text)[:300]
+    return OrtSession(folder).tokenizer.encode(text)[:300]
 
 
 @pytest.mark.parametrize("which", ["smol_engine", "gemma_engine"])
-def test_decode_logits_and_prefill_kv_match_torch(which, request):
+def test_decode_logits_and_prefill_kv_match_torch(which, request, real_model):
     folder = request.getfixturevalue(which)
     manifest = EngineManifest.read(folder)
-    loaded = load_model(manifest.model["name"])
-    session = PopSession(folder)
+    loaded = real_model(manifest.model["name"])
+    session = OrtSession(folder)
     ids = np.array([_ids(folder)], dtype=np.int64)
     n = ids.shape[1]
     past = [t.numpy() for t in empty_past(manifest.kv_layout)]
@@ -102,7 +91,7 @@ def test_decode_logits_and_prefill_kv_match_torch(which, request):
                                        err_msg=f"{name} {i}, x_N's row")
 
 
-def test_cli_run_equals_eager_pop_reference(smol_engine, smol):
+def test_cli_run_equals_eager_pop_reference(smol_engine, smol, cli):
     out = json.loads(cli("run", str(smol_engine), "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "24",
                          "--json").stdout)
     assert out["mode"] == "pop" and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
@@ -112,7 +101,7 @@ def test_cli_run_equals_eager_pop_reference(smol_engine, smol):
     assert out["token_ids"] == expected
 
 
-def test_cli_full_mode_equals_hf_generate(smol_engine, smol):
+def test_cli_full_mode_equals_hf_generate(smol_engine, smol, cli):
     out = json.loads(cli("run", str(smol_engine), "--prompt", "Name three colors.", "--max-new-tokens", "16",
                          "--full", "--json").stdout)
     prompt = torch.tensor([out["prompt_token_ids"]])
@@ -121,7 +110,7 @@ def test_cli_full_mode_equals_hf_generate(smol_engine, smol):
 
 
 def test_batch_of_different_lengths_equals_single_prompts(smol_engine):
-    session = PopSession(smol_engine)
+    session = OrtSession(smol_engine)
     prompts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog because"]
     sampling = SamplingConfig(max_new_tokens=10)
     batched = session.generate(prompts, sampling, chat=False)
@@ -132,7 +121,7 @@ def test_batch_of_different_lengths_equals_single_prompts(smol_engine):
 def test_stream_yields_each_rows_text_as_it_decodes(smol_engine):
     """session.stream: pieces tagged with their prompt's row concatenate to generate's texts; nothing runs
     before the first piece is asked for; on_text gets every row's pieces, not only the first's."""
-    session = PopSession(smol_engine)
+    session = OrtSession(smol_engine)
     prompts = ["Write a haiku about rivers in Japanese (日本語):", "The quick brown fox"]
     sampling = SamplingConfig(max_new_tokens=24)
     expected = [r.text for r in session.generate(prompts, sampling, chat=False)]
@@ -149,7 +138,7 @@ def test_stream_yields_each_rows_text_as_it_decodes(smol_engine):
 def test_streamed_text_stops_before_a_stop_string_and_decodes_incrementally(smol_engine, monkeypatch):
     """Stop strings never reach the stream; each token is detokenised once (DecodeStream), not the whole
     output again per token: the full decode runs only once per row, at the end."""
-    session = PopSession(smol_engine)
+    session = OrtSession(smol_engine)
     free = session.generate("def add(a, b):", SamplingConfig(max_new_tokens=24), chat=False)[0].text
     stop = free.strip().split()[2]  # a word the free run reaches
     calls = []
@@ -169,7 +158,7 @@ CHAT = [{"role": "user", "content": "Name three prime numbers."}]
 def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
     """Turn 2 prefills only what turn 1 did not leave in the cache (POP on the new tokens, after the
     cached rows), and its greedy reply equals reference.PopRun doing the same in PyTorch."""
-    session, sampling = PopSession(smol_engine), SamplingConfig(max_new_tokens=12)
+    session, sampling = OrtSession(smol_engine), SamplingConfig(max_new_tokens=12)
     first = session.chat(CHAT, sampling)
     second_turn = CHAT + [{"role": "assistant", "content": first.text},
                           {"role": "user", "content": "Two more?"}]
@@ -189,7 +178,7 @@ def test_chat_turns_keep_the_cache_and_equal_the_reference(smol_engine, smol):
 
 
 def test_chat_in_full_mode_equals_generating_from_the_whole_history(smol_engine):
-    session, sampling = PopSession(smol_engine), SamplingConfig(max_new_tokens=12)
+    session, sampling = OrtSession(smol_engine), SamplingConfig(max_new_tokens=12)
     first = session.chat(CHAT, sampling, mode="full")
     turn = CHAT + [{"role": "assistant", "content": first.text},
                    {"role": "user", "content": "And their sum?"}]
@@ -199,20 +188,18 @@ def test_chat_in_full_mode_equals_generating_from_the_whole_history(smol_engine)
     assert session.chat(turn, sampling, mode="full").cached_tokens == 0
 
 
-def test_cli_chat_holds_a_conversation_on_stdin(smol_engine):
+def test_cli_chat_holds_a_conversation_on_stdin(smol_engine, cli):
     """`run --chat` without a prompt: one JSON object per stdin line; the second turn reuses the first's
     rows."""
-    done = subprocess.run([sys.executable, "-m", "popcompile.cli", "run", str(smol_engine), "--chat",
-                           "--json", "--max-new-tokens", "8", "--greedy"],
-                          input="Name a colour.\nAnother one?\n\nignored\n", capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = cli("run", smol_engine, "--chat", "--json", "--max-new-tokens", "8", "--greedy",
+               input="Name a colour.\nAnother one?\n\nignored\n")
     turns = [json.loads(line) for line in done.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2]
     assert turns[0]["cached_tokens"] == 0 and turns[1]["cached_tokens"] > len(turns[0]["prompt_token_ids"])
 
 
 def test_chat_refuses_what_is_not_a_conversation(smol_engine):
-    session = PopSession(smol_engine)
+    session = OrtSession(smol_engine)
     for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}]):
         with pytest.raises(InputError, match="messages must be"):
             session.chat(bad)
@@ -221,7 +208,7 @@ def test_chat_refuses_what_is_not_a_conversation(smol_engine):
 
 
 def test_kv_buffer_allocated_once_and_signatures_equal(smol_engine):
-    session = PopSession(smol_engine)
+    session = OrtSession(smol_engine)
     for prompt in ("one", "a longer second prompt", "third"):
         session.generate(prompt, SamplingConfig(max_new_tokens=3))
     assert session.allocations == 1
@@ -306,32 +293,26 @@ def test_kv_buffer_shared_binds_the_cache_itself_and_write_copies_nothing():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_engine(tmp_path_factory) -> Path:
-    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama", cut=3, max_seq=64)
+def tiny_llama_engine(engines) -> Path:
+    return engines.tiny("llama", cut=3, max_seq=64)
 
 
 @pytest.fixture(scope="module")
-def tiny_one_kv_head_engine(tmp_path_factory) -> Path:
+def tiny_one_kv_head_engine(engines) -> Path:
     """One KV head: at batch 1 the graphs bind the cache rows themselves (KVBuffer.in_place)."""
-    model, tokenizer = tiny_model("llama", kv_heads=1), tiny_tokenizer()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out = tmp_path_factory.mktemp("tiny") / "llama-1kv"
-    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, cut=3, max_seq=64,
-           kv_calibration="none", min_prompt_tokens=0)
-    return out
+    return engines.tiny("llama", model={"kv_heads": 1}, cut=3, max_seq=64)
 
 
 @pytest.fixture(scope="module")
-def tiny_separate_engine(tmp_path_factory) -> Path:
+def tiny_separate_engine(engines) -> Path:
     """The boundary step as its own decode-graph call (boundary="separate")."""
-    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama-sep", cut=3, max_seq=64,
-                       boundary="separate")
+    return engines.tiny("llama", cut=3, max_seq=64, boundary="separate")
 
 
 def test_folded_and_separate_boundaries_generate_the_same(tiny_llama_engine, tiny_separate_engine):
     prompts = [[5, 9, 12, 40, 41, 7, 3, 88, 19], [61, 3, 70], [44]]
     sampling = SamplingConfig(max_new_tokens=6)
-    folded, separate = PopSession(tiny_llama_engine), PopSession(tiny_separate_engine)
+    folded, separate = OrtSession(tiny_llama_engine), OrtSession(tiny_separate_engine)
     assert (folded.manifest.boundary, separate.manifest.boundary) == ("folded", "separate")
     assert [s.name for s in folded.sessions["prefill"].get_outputs()][0] == "logits"
     assert "logits" not in [s.name for s in separate.sessions["prefill"].get_outputs()]
@@ -345,7 +326,7 @@ def test_format_version_1_engines_still_run_as_separate(tiny_separate_engine, tm
     data = json.loads((engine / MANIFEST).read_text())
     del data["boundary"]
     (engine / MANIFEST).write_text(json.dumps({**data, "format_version": 1}))
-    session = PopSession(engine)
+    session = OrtSession(engine)
     assert session.manifest.boundary == "separate"
     assert len(session.generate([[5, 9, 12, 40]], SamplingConfig(max_new_tokens=3))[0].token_ids) == 3
 
@@ -356,7 +337,7 @@ def test_io_binding_generates_what_plain_run_generates(engine, mode, request):
     folder = request.getfixturevalue(engine)
     prompts = [[5, 9, 12, 40, 41, 7, 3, 88, 19], [61, 3, 70]]  # left-padded batch of two lengths
     sampling = SamplingConfig(max_new_tokens=6)
-    bound, plain = PopSession(folder), PopSession(folder, io_binding=False)
+    bound, plain = OrtSession(folder), OrtSession(folder, io_binding=False)
     for batch in (prompts, prompts[:1]):
         got = [r.token_ids for r in bound.generate(batch, sampling, mode=mode)]
         assert got == [r.token_ids for r in plain.generate(batch, sampling, mode=mode)]
@@ -364,9 +345,9 @@ def test_io_binding_generates_what_plain_run_generates(engine, mode, request):
     assert bound.allocations == 1
 
 
-def test_weights_are_stored_once(smol_engine):
+def test_weights_are_stored_once(smol_engine, smol):
     manifest = EngineManifest.read(smol_engine)
-    params = sum(p.numel() for p in load_model("smollm2-135m").model.parameters()) * 4
+    params = sum(p.numel() for p in smol.model.parameters()) * 4
     assert manifest.weights["bytes"] <= params * 1.02  # one copy (tied embedding counted once)
 
 
@@ -380,44 +361,49 @@ def _copy(engine: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _error(*args: str) -> str:
-    result = cli(*args, check=False)
+@pytest.fixture
+def cli_error(cli):
+    """``cli_error(*args)``: the CLI's one-line error (exit 2, no traceback)."""
+    return lambda *args: _one_line(cli(*args, check=False))
+
+
+def _one_line(result) -> str:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     return result.stderr
 
 
-def test_bad_engine_folders(smol_engine, tmp_path):
-    assert "does not exist" in _error("run", str(tmp_path / "nope"), "--prompt", "hi")
-    assert "not a popcompile engine folder" in _error("run", str(tmp_path), "--prompt", "hi")
+def test_bad_engine_folders(smol_engine, tmp_path, cli_error):
+    assert "does not exist" in cli_error("run", str(tmp_path / "nope"), "--prompt", "hi")
+    assert "not a popcompile engine folder" in cli_error("run", str(tmp_path), "--prompt", "hi")
     engine = _copy(smol_engine, tmp_path)
     data = json.loads((engine / MANIFEST).read_text())
     (engine / MANIFEST).write_text(json.dumps({**data, "format_version": 99}))
-    assert "format version 99" in _error("run", str(engine), "--prompt", "hi")
+    assert "format version 99" in cli_error("run", str(engine), "--prompt", "hi")
     (engine / MANIFEST).write_text("{ not json")
-    assert "corrupt" in _error("info", str(engine))
+    assert "corrupt" in cli_error("info", str(engine))
     (engine / MANIFEST).write_text(json.dumps(data))
     (engine / "prefill.onnx").unlink()
-    assert "prefill.onnx is missing" in _error("run", str(engine), "--prompt", "hi")
+    assert "prefill.onnx is missing" in cli_error("run", str(engine), "--prompt", "hi")
 
 
-def test_bad_run_input(smol_engine):
-    assert "empty" in _error("run", str(smol_engine), "--prompt", "")
-    assert "max length" in _error("run", str(smol_engine), "--prompt", "word " * (MAX_SEQ + 10), "--no-chat")
-    assert "unknown provider" in _error("run", str(smol_engine), "--prompt", "hi", "--provider", "tpu")
-    assert "--greedy" in _error("run", str(smol_engine), "--prompt", "hi", "--greedy", "--temperature", "0.7")
+def test_bad_run_input(smol_engine, cli_error):
+    assert "empty" in cli_error("run", smol_engine, "--prompt", "")
+    assert "max length" in cli_error("run", smol_engine, "--prompt", "word " * (MAX_SEQ + 10), "--no-chat")
+    assert "unknown provider" in cli_error("run", smol_engine, "--prompt", "hi", "--provider", "tpu")
+    assert "--greedy" in cli_error("run", smol_engine, "--prompt", "hi", "--greedy", "--temperature", "0.7")
 
 
-def test_export_never_overwrites_or_leaves_half_folders(smol_engine, tmp_path):
+def test_export_never_overwrites_or_leaves_half_folders(smol_engine, tmp_path, cli_error):
     before = sorted(p.name for p in smol_engine.iterdir())
-    assert "already exists" in _error("export", "smollm2-135m", "--out", str(smol_engine))
+    assert "already exists" in cli_error("export", "smollm2-135m", "--out", str(smol_engine))
     assert sorted(p.name for p in smol_engine.iterdir()) == before
-    assert "out of range" in _error("export", "smollm2-135m", "--out", str(tmp_path / "x"), "--cut", "31")
-    assert "not-a-model" in _error("export", "not-a-model", "--out", str(tmp_path / "y"))
+    assert "out of range" in cli_error("export", "smollm2-135m", "--out", str(tmp_path / "x"), "--cut", "31")
+    assert "not-a-model" in cli_error("export", "not-a-model", "--out", str(tmp_path / "y"))
     assert not list(tmp_path.iterdir())  # no partial folders
 
 
-def test_info_json(smol_engine):
+def test_info_json(smol_engine, cli):
     data = json.loads(cli("info", str(smol_engine), "--json").stdout)
     assert data["cut"] == 20 and data["kv_layout"]["max_seq"] == MAX_SEQ
 
@@ -427,20 +413,20 @@ def test_runtime_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_cli_check_tensorrt_passes_on_a_real_standard_engine(gemma_engine):
+def test_cli_check_tensorrt_passes_on_a_real_standard_engine(gemma_engine, cli):
     out = json.loads(cli("check", str(gemma_engine), "--target", "tensorrt", "--json").stdout)
     assert out["ok"] and all(f["status"] != "unsupported" for f in out["findings"])
 
 
-def test_cli_check_tensorrt_names_fused_attention(smol_engine):
+def test_cli_check_tensorrt_names_fused_attention(smol_engine, cli):
     run = cli("check", str(smol_engine), "--target", "tensorrt", "--json", check=False)
     unsupported = {f["op"] for f in json.loads(run.stdout)["findings"] if f["status"] == "unsupported"}
     assert run.returncode == 1 and "com.microsoft.GroupQueryAttention" in unsupported
 
 
-def test_export_for_tensorrt_without_gpu_says_what_to_do(tmp_path):
+def test_export_for_tensorrt_without_gpu_says_what_to_do(tmp_path, cli_error):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has an NVIDIA GPU: the no-GPU message does not apply")
-    message = _error("export", "smollm2-135m", "--out", str(tmp_path / "trt"), "--target", "tensorrt")
+    message = cli_error("export", "smollm2-135m", "--out", str(tmp_path / "trt"), "--target", "tensorrt")
     assert "NVIDIA GPU" in message and "popcompile check" in message
     assert not list(tmp_path.iterdir())

@@ -1,4 +1,4 @@
-"""Engine-folder loading is total: any folder gives a working PopSession or an EngineError naming the culprit.
+"""Engine-folder loading is total: any folder gives a working OrtSession or an EngineError naming the culprit.
 
 Every damaging test works on its own copy of one tiny engine (tests/tiny_engine.py) and checks that the
 failed load changed nothing in the folder. Hashes are remembered in a per-test cache folder, never in
@@ -18,13 +18,12 @@ import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_engine import tiny_engine
 
 from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.engine.tensorrt import TrtSection
 from popcompile.engine.verify import HashCache, UnverifiedWeightsWarning
 from popcompile.errors import ConfigError, EngineError, InputError, PopcompileError
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 from popcompile.runtime.trt import TrtSession, verify_plans
 
@@ -32,8 +31,8 @@ PROMPT = [[5, 9, 12, 40, 41]]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Path:
-    return tiny_engine("llama", tmp_path_factory.mktemp("tiny") / "llama", cut=3, max_seq=64)
+def engine(engines) -> Path:
+    return engines.tiny("llama", cut=3, max_seq=64)
 
 
 @pytest.fixture
@@ -47,8 +46,8 @@ def cache(tmp_path) -> HashCache:
     return HashCache(tmp_path / "verified")
 
 
-def load(folder: Path, cache: HashCache | None = None) -> PopSession:
-    return PopSession(folder, hash_cache=cache or HashCache(None))
+def load(folder: Path, cache: HashCache | None = None) -> OrtSession:
+    return OrtSession(folder, hash_cache=cache or HashCache(None))
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -197,7 +196,7 @@ def test_truncated_manifest(folder):
 
 def test_folder_argument_of_the_wrong_type():
     with pytest.raises(ConfigError, match="an engine folder is a path"):
-        PopSession(42)
+        OrtSession(42)
 
 
 def test_manifest_that_is_a_folder_or_a_symlink_out(folder, engine):

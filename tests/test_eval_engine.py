@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 from tiny import tiny_model
-from tiny_engine import tiny_engine
 
 from popcompile.cli import main
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import engine as eval_engine
 from popcompile.measure.eval import greedy, humaneval, prompts, run, scoring
 from popcompile.reference import Variant
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 
 # tiny_model's depth, the engine's cut, the word tokenizer's </s>. Cut 2, not 3: at cut L-1 the one pruned
 # layer's K/V come from h_{L-1} in POP too, so POP equals full there and the comparison would prove less.
@@ -23,14 +22,13 @@ NLL_TOL = 1e-4  # float32 onnxruntime against float32 eager torch: per-token NLL
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_engine("llama", tmp_path_factory.mktemp("eval") / "engine", cut=CUT, max_seq=128,
-                       kv_calibration="none")
+def folder(engines):
+    return engines.tiny("llama", cut=CUT)  # tiny_model's default depth (LAYERS) and max length (128)
 
 
 @pytest.fixture(scope="module")
 def session(folder):
-    return PopSession(folder, threads=1)
+    return OrtSession(folder, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +148,7 @@ def test_engine_options_need_an_engine_folder(tmp_path, capsys):
 
 def test_pop_variant_prunes_whatever_the_engines_min_prompt_tokens(folder, model):
     """`run` prefills prompts shorter than min_prompt_tokens in full; eval's pop variant scores POP itself."""
-    session = PopSession(folder, threads=1, min_prompt_tokens=1000)
+    session = OrtSession(folder, threads=1, min_prompt_tokens=1000)
     # POP != full here
     prompts = [[int(t) for t in np.random.default_rng(3).integers(3, 97, n)] for n in (7, 12)]
     assert session.generate([prompts[0]], eval_engine.SamplingConfig(max_new_tokens=1))[0].prefill == "full"

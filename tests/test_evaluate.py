@@ -21,6 +21,9 @@ from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import humaneval, report, run, scoring, sweep
 from popcompile.reference import Variant
 
+# one worker runs this file: its fits, made once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_evaluate")
+
 LAYERS = 4
 #: pop-distill in tests: 30 steps (~2 s), lr 1e-4 (the default) as the tiny model's POP KL is ~2e-4 (3e-4
 #: overshoots it: no held-out improvement, the ridge start is kept)

@@ -14,6 +14,9 @@ from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.passes.layers import layer_part
 from popcompile.passes.pop import Projection
 
+# one worker runs this file: each architecture's two graph pairs, built once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_fold_export")
+
 ARCHS = sorted(DECODER_TYPES)
 ATOL = 1e-5  # same kernels on the same rows; reassociation in the one-row matmuls only
 CUT = 2

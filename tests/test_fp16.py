@@ -10,12 +10,11 @@ import onnxruntime as ort
 import pytest
 import torch
 from tiny import tiny_model
-from tiny_engine import tiny_engine
 
 from popcompile.driver import cast_model, export
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.runtime.kvbuffer import KVBuffer
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
 # float16 keeps 11 significant bits (relative step 4.9e-4); through 4 tiny layers the rounding of
@@ -26,9 +25,8 @@ PROMPT = np.array([[1, 5, 7, 9, 11, 13, 40, 41, 42, 90, 3, 17]], dtype=np.int64)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
-def engines(request, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp(f"fp16-{request.param}")
-    return {dtype: tiny_engine(request.param, root / dtype, cut=3, max_seq=64, dtype=dtype)
+def folders(request, engines) -> dict[str, Path]:
+    return {dtype: engines.tiny(request.param, cut=3, max_seq=64, dtype=dtype)
             for dtype in ("float32", "float16")}
 
 
@@ -56,20 +54,20 @@ def _run_graphs(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return prefill, decode
 
 
-def test_manifest_graphs_and_weights_are_float16(engines):
-    manifest = EngineManifest.read(engines["float16"])
+def test_manifest_graphs_and_weights_are_float16(folders):
+    manifest = EngineManifest.read(folders["float16"])
     assert manifest.dtype == "float16" and manifest.kv_layout.dtype == "float16"
     for name in ("prefill", "decode"):
-        graph = onnx.load(str(engines["float16"] / f"{name}.onnx"), load_external_data=False).graph
+        graph = onnx.load(str(folders["float16"] / f"{name}.onnx"), load_external_data=False).graph
         kv = [v for v in [*graph.input, *graph.output] if v.name.startswith(("past_", "present."))]
         assert {v.type.tensor_type.elem_type for v in kv} == {onnx.TensorProto.FLOAT16}
-    full = EngineManifest.read(engines["float32"]).weights["bytes"]
+    full = EngineManifest.read(folders["float32"]).weights["bytes"]
     assert 0.45 * full <= manifest.weights["bytes"] <= 0.55 * full  # half the bytes, each tensor once
 
 
-def test_float16_graphs_match_float32(engines):
-    pre16, dec16 = _run_graphs(engines["float16"])
-    pre32, dec32 = _run_graphs(engines["float32"])
+def test_float16_graphs_match_float32(folders):
+    pre16, dec16 = _run_graphs(folders["float16"])
+    pre32, dec32 = _run_graphs(folders["float32"])
     assert all(a.dtype == np.float16 for a in [*pre16, *dec16])
     assert pre16[0].argmax() == pre32[0].argmax()
     for index, (a, b) in enumerate(zip(pre16 + dec16, pre32 + dec32)):
@@ -78,16 +76,16 @@ def test_float16_graphs_match_float32(engines):
     assert dec16[0].argmax() == dec32[0].argmax()
 
 
-def test_session_buffer_takes_the_engine_dtype(engines):
-    layout = EngineManifest.read(engines["float16"]).kv_layout
+def test_session_buffer_takes_the_engine_dtype(folders):
+    layout = EngineManifest.read(folders["float16"]).kv_layout
     buffer = KVBuffer(layout, batch=2)
     assert buffer.data.dtype == np.float16 and buffer.staging.dtype == np.float16
     assert buffer.data.nbytes == 2 * layout.max_seq * layout.bytes_per_token()
 
 
-def test_cpu_provider_refuses_float16_engines(engines):
+def test_cpu_provider_refuses_float16_engines(folders):
     with pytest.raises(EngineError) as error:
-        PopSession(engines["float16"])
+        OrtSession(folders["float16"])
     message = str(error.value)
     assert isinstance(error.value, ValueError)
     assert "CPUExecutionProvider" in message and "--provider cuda" in message and "--dtype float32" in message
@@ -95,10 +93,10 @@ def test_cpu_provider_refuses_float16_engines(engines):
 
 @pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
                     reason="needs onnxruntime-gpu with the CUDAExecutionProvider and an NVIDIA GPU")
-def test_float16_engine_generates_on_cuda(engines):
+def test_float16_engine_generates_on_cuda(folders):
     sampling = SamplingConfig(max_new_tokens=4)
-    fp16 = PopSession(engines["float16"], provider="cuda").generate([PROMPT[0].tolist()], sampling)[0]
-    fp32 = PopSession(engines["float32"]).generate([PROMPT[0].tolist()], sampling)[0]
+    fp16 = OrtSession(folders["float16"], provider="cuda").generate([PROMPT[0].tolist()], sampling)[0]
+    fp32 = OrtSession(folders["float32"]).generate([PROMPT[0].tolist()], sampling)[0]
     assert fp16.token_ids[0] == fp32.token_ids[0] and len(fp16.token_ids) == 4
 
 

@@ -18,8 +18,11 @@ from popcompile.errors import ConfigError, EngineError
 from popcompile.frontend.models import LoadedModel, ModelSource
 from popcompile.runtime.defaults import SamplingOptions, engine_sampling, resolve_sampling
 from popcompile.runtime.loop import encode_prompt
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
+
+# one worker runs this file: its engines, exported once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_generation_defaults")
 
 LLAMA3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}
 FILE = "generation_config.json"
@@ -147,7 +150,7 @@ def test_run_samples_with_the_engines_defaults(sampling_engine, capsys):
                     "seed": "--seed"},
         "ignored": {"repetition_penalty": 1.3}}
     assert "repetition_penalty=1.3, which popcompile does not apply" in err
-    session = PopSession(sampling_engine, threads=1)
+    session = OrtSession(sampling_engine, threads=1)
     prompt_ids = encode_prompt(session.tokenizer, "t5 t6 t7", chat=False)
     assert result["prompt_token_ids"] == prompt_ids == [8, 9, 10]
     expected = session.generate("t5 t6 t7", SamplingConfig(greedy=False, temperature=0.7, top_k=5, top_p=0.9,

@@ -14,7 +14,7 @@ from popcompile.commands.info import summary
 from popcompile.engine.manifest import MANIFEST, EngineManifest
 from popcompile.errors import ConfigError, EngineError
 from popcompile.runtime.compare import compare, measure_speedups, measured_min_prompt_tokens
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 from popcompile.threshold import choose_min_prompt_tokens
 
@@ -25,8 +25,8 @@ SAMPLED = SamplingConfig(greedy=False, seed=3, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return tiny_engine("llama", tmp_path_factory.mktemp("thr") / "llama", cut=3, max_seq=64)
+def engine(engines):
+    return engines.tiny("llama", cut=3, max_seq=64)
 
 
 def _first(session, prompt, **kw):
@@ -49,14 +49,14 @@ def _first(session, prompt, **kw):
 
 
 def test_below_threshold_equals_full_and_at_or_above_equals_pop(engine):
-    forced = PopSession(engine, min_prompt_tokens=0)
+    forced = OrtSession(engine, min_prompt_tokens=0)
     full_short = _first(forced, SHORT, mode="full")
     pop_short = _first(forced, SHORT)
     pop_long = _first(forced, LONG)
     assert pop_short[2] == pop_long[2] == "pop"
     # the two paths differ, so the checks below can fail
     assert not np.array_equal(full_short[0], pop_short[0])
-    session = PopSession(engine, min_prompt_tokens=len(LONG))
+    session = OrtSession(engine, min_prompt_tokens=len(LONG))
     short = _first(session, SHORT)
     assert short[2] == "full" and np.array_equal(short[0], full_short[0]) and short[1] == full_short[1]
     long = _first(session, LONG)
@@ -74,7 +74,7 @@ def test_manifest_threshold_is_the_session_default(engine, tmp_path):
         (folder / f.name).hardlink_to(f) if f.name != MANIFEST else None  # symlinks out are refused
     data = json.loads((engine / MANIFEST).read_text())
     (folder / MANIFEST).write_text(json.dumps({**data, "min_prompt_tokens": 7}))
-    assert PopSession(folder).min_prompt_tokens == 7
+    assert OrtSession(folder).min_prompt_tokens == 7
     (folder / MANIFEST).write_text(json.dumps({**data, "min_prompt_tokens": -1}))
     with pytest.raises(EngineError, match="min_prompt_tokens"):
         EngineManifest.read(folder)
@@ -83,11 +83,11 @@ def test_manifest_threshold_is_the_session_default(engine, tmp_path):
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
 def test_bad_override_is_a_config_error(engine, bad):
     with pytest.raises(ConfigError, match="min_prompt_tokens"):
-        PopSession(engine, min_prompt_tokens=bad)
+        OrtSession(engine, min_prompt_tokens=bad)
 
 
 def test_compare_forces_pop_and_reports_both(engine):
-    session = PopSession(engine, min_prompt_tokens=100)
+    session = OrtSession(engine, min_prompt_tokens=100)
     result = compare(session, [LONG], GREEDY, repeats=2)
     assert result.pop.prefill == "pop" and result.full.prefill == "full"
     assert not result.pop_by_default
@@ -98,7 +98,7 @@ def test_compare_forces_pop_and_reports_both(engine):
 
 
 def test_measure_speedups_table(engine):
-    table = measure_speedups(PopSession(engine), (4, 8, 16), repeats=1, min_speedup=0.0)
+    table = measure_speedups(OrtSession(engine), (4, 8, 16), repeats=1, min_speedup=0.0)
     assert [row["tokens"] for row in table] == [4, 8]  # stops after two lengths that pass
     assert all(row["speedup"] > 0 and row["flop_bound"] > 1.0 for row in table)
 
@@ -123,7 +123,7 @@ class _Timed:
     ({16: 1.3, 32: 1.3}, 16, False),
 ])
 def test_auto_threshold_follows_the_measured_curve(engine, curve, expected, noted):
-    session = _Timed(PopSession(engine), lambda n: curve[n])
+    session = _Timed(OrtSession(engine), lambda n: curve[n])
     value, record = measured_min_prompt_tokens(session, "fake")
     assert [row["tokens"] for row in record["table"]] == sorted(curve)
     assert [row["speedup"] for row in record["table"]] == [curve[n] for n in sorted(curve)]
@@ -165,7 +165,7 @@ def _run_json(capsys, *args) -> dict:
 
 
 def test_cli_run_threshold_override_and_compare(engine, tmp_path, capsys):
-    session = PopSession(engine)
+    session = OrtSession(engine)
     text = " ".join(f"t{i}" for i in range(20))
     ids = session.encode(text, chat=False)
     greedy = SamplingConfig(max_new_tokens=6)
@@ -185,7 +185,7 @@ def test_cli_run_prompt_file_then_instruction(engine, tmp_path, capsys):
     attached = tmp_path / "doc.txt"
     attached.write_text("t1 t2 t3 t4")
     out = _run_json(capsys, engine, "--prompt-file", attached, "--prompt", "t9 t8")
-    assert out["prompt_token_ids"] == PopSession(engine).encode("t1 t2 t3 t4\n\nt9 t8", chat=False)
+    assert out["prompt_token_ids"] == OrtSession(engine).encode("t1 t2 t3 t4\n\nt9 t8", chat=False)
 
 
 def test_flop_bound_reads_config_json_only_inside_the_folder(tmp_path):

@@ -21,6 +21,9 @@ from popcompile.frontend.models import (
     resolve_source,
 )
 
+# one worker runs this file: the GGUF conversions of its private cache, made once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_models")
+
 
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:

@@ -27,7 +27,7 @@ from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.arch import DECODER_TYPES
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
 LAYERS, CUT = 4, 3
@@ -36,10 +36,9 @@ ATOL = 2e-5
 
 
 @pytest.fixture(scope="module", params=sorted(DECODER_TYPES))
-def graphs(request, tmp_path_factory) -> dict:
+def graphs(request, engines) -> dict:
     """standard and fused sessions of both graphs of one tiny engine, and the fused forms per graph."""
-    folder = tiny_engine(request.param, tmp_path_factory.mktemp(request.param) / "engine", cut=CUT,
-                         max_seq=64, target=OnnxTarget(attention="standard"))
+    folder = engines.tiny(request.param, cut=CUT, max_seq=64, target=OnnxTarget(attention="standard"))
     out = {"manifest": EngineManifest.read(folder), "forms": {}}
     for name in ("prefill", "decode"):
         proto = onnx.load(str(folder / f"{name}.onnx"))
@@ -272,21 +271,19 @@ def test_auto_keeps_float16_graphs_standard_and_fused_float16_is_refused(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def engine_pair(tmp_path_factory) -> dict[str, Path]:
+def engine_pair(engines) -> dict[str, Path]:
     """A fused and a standard-op engine of the same tiny model."""
-    out = tmp_path_factory.mktemp("pair")
-    return {attention: tiny_engine("qwen3", out / attention, cut=CUT, max_seq=64,
-                                   target=OnnxTarget(attention=attention))
+    return {attention: engines.tiny("qwen3", cut=CUT, max_seq=64, target=OnnxTarget(attention=attention))
             for attention in ("fused", "standard")}
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
 def test_fused_engine_samples_what_the_standard_engine_samples(engine_pair, io_binding):
-    """End to end through PopSession, a fused engine (decode on the shared buffer) against a standard-op
+    """End to end through OrtSession, a fused engine (decode on the shared buffer) against a standard-op
     engine of the same model: sampled tokens (seeded, temperature 1: they follow small logit changes, unlike
     the tiny model's greedy repeats) for POP and full prefill, a left-padded batch and a one-token prompt."""
-    fused = PopSession(engine_pair["fused"], io_binding=io_binding)
-    standard = PopSession(engine_pair["standard"])
+    fused = OrtSession(engine_pair["fused"], io_binding=io_binding)
+    standard = OrtSession(engine_pair["standard"])
     assert fused.manifest.shares_kv("decode") and not standard.manifest.shares_kv("decode")
     sampling = SamplingConfig(greedy=False, temperature=1.0, seed=7, max_new_tokens=24)
     for prompts in ([[5, 9, 12, 40, 41, 7, 3, 88, 19, 4, 60], [61, 3, 70]], [[11]]):

@@ -17,6 +17,9 @@ from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.passes.layers import find_layers, layer_part, module_path
 from popcompile.passes.pop import pop_pass
 
+# one worker runs this file: each architecture's graph pair, built once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_pass")
+
 ARCHS = sorted(DECODER_TYPES)
 # Exact equality is expected where the graph and eager HF run the same kernels on the same inputs;
 # 1e-5 absorbs reassociation in fused kernels.

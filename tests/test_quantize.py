@@ -6,8 +6,6 @@ weights is measured in docs/results.md (random tiny weights have no structure fo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
 ARCHS = ("llama", "gemma3_text")
@@ -43,21 +41,26 @@ INT8_REL = 0.06
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def engines(request, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp(f"quant-{request.param}")
-    model = tiny_model(request.param, layers=LAYERS)
+def folders(request, engines) -> dict[str, Path]:
+    """The float engine (the tests' common tiny engine: tiny_model's depth is LAYERS) and its int8 and int4
+    exports."""
+    quantized = {fmt: OnnxTarget(WeightQuantization(fmt, block_size=16)) for fmt in ("int8", "int4")}
+    return {fmt: engines.tiny(request.param, cut=CUT, max_seq=64, target=target)
+            for fmt, target in {"float": OnnxTarget(), **quantized}.items()}
+
+
+def test_the_quantize_step_runs_and_is_reported(tmp_path):
+    """What a progress bar counts is what runs: the quantize step for int4, none for float."""
+    model = tiny_model("llama", layers=LAYERS)
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     loaded = LoadedModel(model, tokenizer, ModelSource(name="tiny", kind="folder", path="tiny", sha256=None))
     config = PopConfig(cut=CUT, max_seq=64, kv_calibration="none", min_prompt_tokens=0)
-    folders, reported = {}, {}
-    for fmt in ("float", "int8", "int4"):
-        folders[fmt], reported[fmt] = root / fmt, []
-        target = OnnxTarget(WeightQuantization(fmt, block_size=16))
-        compile_model(loaded, config, out=folders[fmt], target=target, progress=reported[fmt].append)
-        assert reported[fmt] == steps(config, target)  # what a progress bar counts is what runs
-    assert QUANTIZE_STEP in reported["int4"] and QUANTIZE_STEP not in reported["float"]
-    return folders
+    reported = []
+    target = OnnxTarget(WeightQuantization("int4", block_size=16))
+    compile_model(loaded, config, out=tmp_path / "int4", target=target, progress=reported.append)
+    assert reported == steps(config, target) and QUANTIZE_STEP in reported
+    assert QUANTIZE_STEP not in steps(config, OnnxTarget())
 
 
 def _graph(folder: Path, name: str) -> onnx.ModelProto:
@@ -84,16 +87,16 @@ def _decode_outputs(folder: Path) -> list[np.ndarray]:
                               **dict(zip(layout.past_names, empty))})
 
 
-def test_every_constant_weight_matmul_becomes_matmulnbits(engines):
+def test_every_constant_weight_matmul_becomes_matmulnbits(folders):
     # decode: 4 projections per layer (q/k/v and gate/up packed: exporters/ort_pack.py; o, down), q apart in
     # the pruned layers (the prefill reads it over x_N alone), and the LM head (a Gemm over the tied
     # embedding, untied first); prefill: at least layers 0..cut-1 whole, the pruned layers' packed k/v
     # projection (POP), x_N's q and the head.
-    assert _constant_matmuls(_graph(engines["float"], "decode")) == 4 * LAYERS + (LAYERS - CUT) + 1
-    assert _constant_matmuls(_graph(engines["float"], "prefill")) >= 4 * CUT + 2 * (LAYERS - CUT) + 1
+    assert _constant_matmuls(_graph(folders["float"], "decode")) == 4 * LAYERS + (LAYERS - CUT) + 1
+    assert _constant_matmuls(_graph(folders["float"], "prefill")) >= 4 * CUT + 2 * (LAYERS - CUT) + 1
     for fmt in ("int8", "int4"):
         for name in ("decode", "prefill"):
-            float_graph, graph = _graph(engines["float"], name), _graph(engines[fmt], name)
+            float_graph, graph = _graph(folders["float"], name), _graph(folders[fmt], name)
             assert op_counts(graph)["MatMulNBits"] == _constant_matmuls(float_graph), (fmt, name)
             assert _constant_matmuls(graph) == 0, (fmt, name)
             bits = {helper.get_attribute_value(a) for n in graph.graph.node if n.op_type == "MatMulNBits"
@@ -109,37 +112,37 @@ def test_every_constant_weight_matmul_becomes_matmulnbits(engines):
             assert sum(attention.values()) == LAYERS
 
 
-def test_weights_file_shrinks_and_the_manifest_records_the_format(engines):
-    sizes = {fmt: EngineManifest.read(folder).weights["bytes"] for fmt, folder in engines.items()}
-    manifest = EngineManifest.read(engines["int4"])
+def test_weights_file_shrinks_and_the_manifest_records_the_format(folders):
+    sizes = {fmt: EngineManifest.read(folder).weights["bytes"] for fmt, folder in folders.items()}
+    manifest = EngineManifest.read(folders["int4"])
     assert manifest.quantization == {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4,
                                      "block_size": 16, "accuracy_level": 4, "symmetric": True}
-    assert EngineManifest.read(engines["float"]).quantization == {}
+    assert EngineManifest.read(folders["float"]).quantization == {}
     # the float embedding rows (Gather) stay; every matmul weight shrinks: int8 ~1/4 + scales, int4 ~1/8
     assert sizes["int4"] < sizes["int8"] < 0.6 * sizes["float"]
 
 
-def test_int8_logits_and_kv_stay_close_to_float(engines):
-    reference = _decode_outputs(engines["float"])
+def test_int8_logits_and_kv_stay_close_to_float(folders):
+    reference = _decode_outputs(folders["float"])
     for fmt, bound in (("int8", INT8_REL), ("int4", 0.6)):
-        outputs = _decode_outputs(engines[fmt])
+        outputs = _decode_outputs(folders[fmt])
         for index, (got, want) in enumerate(zip(outputs, reference)):
             assert np.isfinite(got).all()
             rel = np.linalg.norm(got - want) / np.linalg.norm(want)
             assert rel < bound, (fmt, index, rel)
 
 
-def test_quantised_engine_generates_with_pop_and_full(engines):
-    session = PopSession(engines["int4"], threads=1)
+def test_quantised_engine_generates_with_pop_and_full(folders):
+    session = OrtSession(folders["int4"], threads=1)
     sampling = SamplingConfig(max_new_tokens=5)
     for mode in ("pop", "full"):
         result = session.generate([PROMPT[0].tolist()], sampling, mode=mode)[0]
         assert len(result.token_ids) == 5 and result.prefill == mode
 
 
-def test_tensorrt_refuses_a_quantised_folder_before_looking_for_a_gpu(engines):
+def test_tensorrt_refuses_a_quantised_folder_before_looking_for_a_gpu(folders):
     with pytest.raises(EngineError, match="MatMulNBits.*--weights float"):
-        build_engines(engines["int8"])
+        build_engines(folders["int8"])
 
 
 def test_untie_gemm_head_is_exact():
@@ -188,29 +191,23 @@ def test_float16_graphs_are_not_quantised(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "popcompile.cli", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
 @pytest.mark.parametrize("args, match", [
     (["--weights", "int4", "--target", "vllm"], "--target vllm takes float weights"),
     (["--block-size", "64"], "go with --weights int8 or int4"),
     (["--weights", "int4", "--block-size", "48"], "power of two"),
 ])
-def test_cli_refuses_quantisation_it_cannot_do(tmp_path, args, match):
-    run = _cli("export", "smollm2-135m", "--out", str(tmp_path / "e"), *args)
+def test_cli_refuses_quantisation_it_cannot_do(tmp_path, args, match, cli):
+    run = cli("export", "smollm2-135m", "--out", str(tmp_path / "e"), *args, check=False)
     assert run.returncode == 2 and match in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "e").exists()
 
 
-def test_cli_exports_int4_and_info_says_so(tmp_path):
+def test_cli_exports_int4_and_info_says_so(tmp_path, cli):
     model = tiny_hf_folder(tmp_path / "hf")
     out = tmp_path / "int4"
-    run = _cli("export", str(model), "--out", str(out), "--weights", "int4", "--block-size", "16",
-               "--cut", "3", "--kv-calibration", "none", "--min-prompt-tokens", "0", "--json")
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = cli("export", str(model), "--out", str(out), "--weights", "int4", "--block-size", "16",
+              "--cut", "3", "--kv-calibration", "none", "--min-prompt-tokens", "0", "--json")
     assert json.loads(run.stdout)["quantization"]["block_size"] == 16
-    info = _cli("info", str(out))
+    info = cli("info", str(out))
     assert info.returncode == 0 and "weights: int4 (com.microsoft.MatMulNBits, blocks of 16" in info.stdout

@@ -11,7 +11,9 @@ from tiny import empty_past, greedy_with_graphs, run_graph
 from popcompile import reference
 from popcompile.driver import build_graphs
 from popcompile.frontend.arch import arch_spec
-from popcompile.frontend.models import load_model
+
+# one worker runs this file: the graphs of each real model, built once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_real_models")
 
 # The graph and eager HF run the same ops; 1e-4 is the bound for fp32 logits (vocab-wide max).
 LOGITS_ATOL = 1e-4
@@ -20,8 +22,8 @@ REAL_TEXT = inspect.getsource(json.decoder)  # real code nobody here wrote
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def real(request):
-    loaded = load_model(request.param)
+def real(request, real_model):
+    loaded = real_model(request.param)
     ids = loaded.tokenizer(REAL_TEXT, return_tensors="pt").input_ids[:, :300]
     pair = build_graphs(loaded.model, max_seq=1024)  # default cut: last third pruned
     return loaded.model, pair, ids

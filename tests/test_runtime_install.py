@@ -18,6 +18,9 @@ from tiny_engine import tiny_engine
 
 from popcompile.runtime import open_session
 
+# one worker runs this file: the runtime-only venv, built once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_runtime_install")
+
 REPO = Path(__file__).resolve().parents[1]
 COMPILER_MODULES = ("torch", "transformers", "onnx", "onnxscript", "safetensors", "gguf")
 

@@ -7,27 +7,26 @@ import sys
 
 import numpy as np
 import pytest
-from tiny_engine import tiny_engine
 
 from popcompile.errors import ConfigError, InputError
 from popcompile.runtime import RUNTIMES, open_session, session_class
-from popcompile.runtime.ort import PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 from popcompile.runtime.session import Session
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return tiny_engine("llama", tmp_path_factory.mktemp("e") / "engine", cut=3, max_seq=32)
+def engine(engines):
+    return engines.tiny("llama", cut=3, max_seq=64)
 
 
 def test_registry_names_both_runtimes_and_every_session_shares_the_core():
     assert list(RUNTIMES) == ["onnxruntime", "tensorrt"]
-    assert session_class("onnxruntime") is PopSession and issubclass(session_class("onnxruntime"), Session)
+    assert session_class("onnxruntime") is OrtSession and issubclass(session_class("onnxruntime"), Session)
     from popcompile.runtime.trt import TrtSession
 
     assert issubclass(TrtSession, Session)
-    assert "generate" not in vars(PopSession) and "generate" not in vars(TrtSession)  # one copy, in Session
+    assert "generate" not in vars(OrtSession) and "generate" not in vars(TrtSession)  # one copy, in Session
 
 
 def test_unknown_runtime_or_option_is_named(engine):
@@ -40,7 +39,7 @@ def test_unknown_runtime_or_option_is_named(engine):
 
 def test_open_session_passes_options(engine):
     session = open_session(engine, threads=1, min_prompt_tokens=7)
-    assert isinstance(session, PopSession) and session.min_prompt_tokens == 7
+    assert isinstance(session, OrtSession) and session.min_prompt_tokens == 7
 
 
 def test_importing_the_registry_loads_no_runtime():
@@ -69,10 +68,10 @@ def test_step_needs_a_prefill_and_a_full_cache_is_an_input_error(engine):
     session = open_session(engine)
     with pytest.raises(InputError, match="call prefill first"):
         session.step(np.array([[1]]))
-    with pytest.raises(InputError, match="1 <= N <= max_seq=32"):
-        session.prefill(np.ones((1, 33), np.int64))
-    session.prefill(np.ones((1, 30), np.int64))
+    with pytest.raises(InputError, match="1 <= N <= max_seq=64"):
+        session.prefill(np.ones((1, 65), np.int64))
+    session.prefill(np.ones((1, 62), np.int64))
     session.step(np.array([[1, 2]]))
     with pytest.raises(InputError,
-                       match="KV buffer full: 33 tokens exceed max_seq=32: give a shorter prompt"):
+                       match="KV buffer full: 65 tokens exceed max_seq=64: give a shorter prompt"):
         session.step(np.array([[1]]))

@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 
-from popcompile.frontend.models import load_model
 from popcompile.runtime.loop import encode_prompt
 from popcompile.runtime.tokenizer import EngineTokenizer, StreamDecoder
 
@@ -34,9 +33,9 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, real_model):
     """(HF tokenizer, EngineTokenizer loaded from its save_pretrained folder, model name)."""
-    loaded = load_model(request.param)
+    loaded = real_model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
     loaded.tokenizer.save_pretrained(folder)
     loaded.model.generation_config.save_pretrained(folder)

@@ -20,6 +20,9 @@ from tiny_engine import has_tensorrt_gpu, tiny_hf_folder
 
 from popcompile import reference
 
+# one worker runs this file: the samples' model folder and engine, made once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_samples")
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -7,7 +7,7 @@
 - the TensorRT runtime's memory plan (one KV buffer with a sentinel row, bindings by address, 2D copies,
   CUDA graph replay) run end to end on the CPU: ``TrtSession.from_parts`` over emulated execution
   contexts that read and write a host byte array at the bound addresses and run the same ONNX graphs
-  with onnxruntime. Its logits must equal PopSession's (onnxruntime on the host KV buffer) at every step.
+  with onnxruntime. Its logits must equal OrtSession's (onnxruntime on the host KV buffer) at every step.
 """
 from __future__ import annotations
 
@@ -21,17 +21,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from tiny import tiny_model
-from tiny_engine import tiny_tokenizer
 
-from popcompile.driver import export
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
 from popcompile.errors import ConfigError
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import TrtBuildConfig, build_engines, has_sliding_window, profiles
-from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.runtime.ort import OrtSession, PopSession
+from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import Sampler, SamplingConfig
 from popcompile.runtime.trt import EngineIO, TrtSession, resolve_binding
 
@@ -39,32 +35,27 @@ HAS_GPU_STACK = shutil.which("nvidia-smi") is not None and importlib.util.find_s
 LOGITS_ATOL = 1e-5  # same ONNX graphs on the same CPU; only masked (zero-weight) rows differ in number
 
 
-def _engine(model_type: str, out: Path, boundary: str = "folded", **model_kwargs) -> Path:
-    model = tiny_model(model_type, layers=2, **model_kwargs)
-    tokenizer = tiny_tokenizer(model.config.vocab_size)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    export(LoadedModel(model, tokenizer, ModelSource("tiny", "folder", "tiny", None)), out, max_seq=48,
-           kv_calibration="none", boundary=boundary, min_prompt_tokens=0,
-           target=OnnxTarget(attention="standard"))  # TensorRT takes standard ops only
-    return out
+def _engine(engines, model_type: str, boundary: str = "folded", **model_kwargs) -> Path:
+    return engines.tiny(model_type, model={"layers": 2, **model_kwargs}, max_seq=48, boundary=boundary,
+                        target=OnnxTarget(attention="standard"))  # TensorRT takes standard ops only
 
 
 @pytest.fixture(scope="module")
-def llama_engine(tmp_path_factory) -> Path:
+def llama_engine(engines) -> Path:
     """One KV head, so batch 1 binds in place (B * H == 1) and batch 2 does not."""
-    return _engine("llama", tmp_path_factory.mktemp("trt") / "llama", kv_heads=1)
+    return _engine(engines, "llama", kv_heads=1)
 
 
 @pytest.fixture(scope="module")
-def llama_separate_engine(tmp_path_factory) -> Path:
+def llama_separate_engine(engines) -> Path:
     """x_N as its own step after a prefill of x_1..x_{N-1}: the prefill engine has no logits output."""
-    return _engine("llama", tmp_path_factory.mktemp("trt") / "llama-sep", boundary="separate", kv_heads=1)
+    return _engine(engines, "llama", boundary="separate", kv_heads=1)
 
 
 @pytest.fixture(scope="module")
-def gemma_engine(tmp_path_factory) -> Path:
+def gemma_engine(engines) -> Path:
     """Sliding-window layers: the static binding is refused, decode steps gather their rows."""
-    return _engine("gemma3_text", tmp_path_factory.mktemp("trt") / "gemma")
+    return _engine(engines, "gemma3_text")
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -146,7 +137,7 @@ def test_build_on_gpu(llama_engine, tmp_path):
     assert (folder / "timing.cache").is_file()
     assert TrtSection.from_manifest(EngineManifest.read(folder)) == section
     prompt = [5, 9, 11, 3, 7]
-    expected = PopSession(folder).generate([prompt], SamplingConfig(max_new_tokens=6))[0].token_ids
+    expected = OrtSession(folder).generate([prompt], SamplingConfig(max_new_tokens=6))[0].token_ids
     assert TrtSession(folder).generate([prompt], SamplingConfig(max_new_tokens=6))[0].token_ids == expected
 
 
@@ -157,16 +148,12 @@ def test_build_needs_the_onnx_graphs(llama_engine, tmp_path):
         build_engines(folder)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "popcompile.cli", *args], capture_output=True, text=True)
-
-
 @pytest.mark.skipif(HAS_GPU_STACK, reason="this machine can build TensorRT engines")
 @pytest.mark.parametrize("command", ["build-trt", "export"])
-def test_cli_without_gpu_names_the_need(command, llama_engine):
+def test_cli_without_gpu_names_the_need(command, llama_engine, cli, tmp_path):
     args = ["build-trt", str(llama_engine)] if command == "build-trt" else [
-        "export", "smollm2-135m", "--out", str(llama_engine.parent / "new"), "--target", "tensorrt"]
-    result = _cli(*args)
+        "export", "smollm2-135m", "--out", str(tmp_path / "new"), "--target", "tensorrt"]
+    result = cli(*args, check=False)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"popcompile {command}: error: ")
@@ -328,7 +315,7 @@ def test_emulated_trt_session_matches_onnxruntime(engine, batch, binding, graph,
                                                    sampled_logits):
     folder = request.getfixturevalue(engine)
     trt_session = emulated_session(folder, max_batch=batch, kv_binding=binding, cuda_graph=graph)
-    ort_session = PopSession(folder)
+    ort_session = OrtSession(folder)
     sampling = SamplingConfig(max_new_tokens=7)
     allocs = trt_session.device.allocs
     for _ in range(2):  # a second generation reuses every buffer: nothing is allocated again
@@ -360,7 +347,6 @@ def test_both_sessions_take_one_min_prompt_tokens_rule(llama_engine):
     """One session setup (runtime/session.py): the override, the manifest's default and the refusal are the
     same for onnxruntime and TensorRT, and a prompt under the threshold prefills with the full model in
     both."""
-    assert OrtSession is PopSession  # the old name stays an alias
     one = [PROMPTS[0]]  # 9 tokens
     makers = (lambda **kw: OrtSession(llama_engine, **kw),
               lambda **kw: emulated_session(llama_engine, max_batch=1, **kw))

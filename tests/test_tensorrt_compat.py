@@ -8,7 +8,6 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from tiny_engine import tiny_engine
 
 from popcompile.engine import tensorrt as trt
 from popcompile.engine.tensorrt import TensorRTUnavailable, require_gpu
@@ -187,9 +186,9 @@ def test_dynamic_dims():
 # ------------------------------------------------------------------------------------------- real engines
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
-def engine(request, tmp_path_factory):
-    return tiny_engine(request.param, tmp_path_factory.mktemp("trt") / request.param,
-                       target=OnnxTarget(attention="standard"))  # what the tensorrt target writes
+def engine(request, engines):
+    # what the tensorrt target writes
+    return engines.tiny(request.param, cut=3, max_seq=64, target=OnnxTarget(attention="standard"))
 
 
 def test_real_engine_passes(engine):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 from tiny import tiny_vlm
-from tiny_engine import tiny_engine, tiny_vl_engine, tiny_vl_folder
+from tiny_engine import tiny_vl_engine, tiny_vl_folder
 
 from popcompile import reference
 from popcompile.cli import main
@@ -31,8 +31,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
-    return tiny_vl_engine(tmp_path_factory.mktemp("vl") / "engine", model, cut=CUT, max_seq=160)
+def engine(engines):
+    return engines.tiny_vl(cut=CUT, max_seq=160)  # the weights of ``model``: tiny_vlm() is seeded
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +115,8 @@ def test_chat_keeps_an_images_rows_while_it_is_the_same_image(session):
     assert third.cached_tokens <= start  # another image, same size: its rows are not reused
 
 
-def test_bad_image_input_is_a_one_line_error(engine, session, tmp_path, capsys):
-    text_engine = tiny_engine("llama", tmp_path / "text")
+def test_bad_image_input_is_a_one_line_error(engine, session, engines, tmp_path, capsys):
+    text_engine = engines.tiny("llama", cut=3, max_seq=64)
     with pytest.raises(InputError, match="is a text engine .* takes no images"):
         open_session(text_engine).generate("t5 t6", GREEDY, images=[_image(16, 16, 0)])
     with pytest.raises(InputError, match="1 image placeholder\\(s\\) .* for 2 image"):
@@ -163,14 +163,13 @@ def test_cli_exports_a_vision_language_model_folder_and_refuses_a_low_cut(tmp_pa
     assert manifest.cut == 2 and manifest.vision["graph"]["file"] == "vision.onnx"
 
 
-def test_the_three_graphs_pass_the_tensorrt_check(model, tmp_path):
+def test_the_three_graphs_pass_the_tensorrt_check(engines):
     """Exported with standard ops (what TensorRT takes), the vision graph and both text graphs pass
     ``popcompile check --target tensorrt``."""
     from popcompile.exporters.targets import OnnxTarget
     from popcompile.exporters.tensorrt_compat import check_engine
 
-    folder = tiny_vl_engine(tmp_path / "standard", model, cut=CUT, max_seq=160,
-                            target=OnnxTarget(attention="standard"))
+    folder = engines.tiny_vl(cut=CUT, max_seq=160, target=OnnxTarget(attention="standard"))
     report = check_engine(folder)
     assert report.ok, report.failures
     graphs = {finding.graph for finding in report.findings}

@@ -30,6 +30,9 @@ from popcompile.runtime.compare import TEXT_PROBES, engine_flop_bound, measure_s
 from popcompile.runtime.vision import preprocess
 from popcompile.threshold import choose_min_prompt_tokens
 
+# one worker runs this file: the default-options export, made once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_vlm_export_defaults")
+
 CUT, LAYERS, NEW = 4, 6, 6  # export's default cut for 6 layers: the deep third pruned
 IMAGE = VL_IDS["image_token_id"]
 GREEDY = {"max_new_tokens": NEW, "greedy": True}

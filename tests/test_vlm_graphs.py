@@ -13,6 +13,9 @@ from popcompile.frontend.vision import ImageInputs
 from popcompile.frontend.vision_encoder import capture_vision_encoder
 from popcompile.passes.prefill import pop_graphs
 
+# one worker runs this file: the tiny VLM's graphs, built once per module (conftest.py)
+pytestmark = pytest.mark.xdist_group("test_vlm_graphs")
+
 LAYERS, CUT, NEW = 6, 4, 8
 
 

@@ -28,9 +28,11 @@ def tiny_tokenizer(vocab_size: int = 97) -> transformers.PreTrainedTokenizerFast
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def tiny_engine(model_type: str, out_dir: str | Path, **export_kwargs) -> Path:
-    """Export ``tiny_model(model_type)`` as an engine folder at ``out_dir`` and return its path."""
-    model = tiny_model(model_type)
+def tiny_engine(model_type: str, out_dir: str | Path, *, model_kwargs: dict | None = None,
+                **export_kwargs) -> Path:
+    """Export ``tiny_model(model_type, **model_kwargs)`` as an engine folder at ``out_dir``; return its path.
+    Tests that only need *an* engine take it from the ``engines`` fixture (engine_cache.py) instead."""
+    model = tiny_model(model_type, **(model_kwargs or {}))
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     source = ModelSource(name="tiny", kind="folder", path="tiny", sha256=None)
