@@ -17,11 +17,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from serving import Run, calibrate, engine, export, load, start
 from tokenizers import Tokenizer
 
 from popcompile.kvfit.calibrate import load_fit
@@ -33,102 +35,122 @@ NEW = 12
 ENGINE = {"max_num_batched_tokens": 256, "max_model_len": 1024}  # the 700-token prompt: 3 chunks
 
 
-def popcompile(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "popcompile.cli", *map(str, args)], check=True, capture_output=True,
-                   text=True)
-
-
-def instance(tmp: Path, folder: Path, store: Path, role: str, prompts: list[list[int]],
-             new: int) -> list[dict]:
-    """One instance of the pair on ``prompts`` (greedy.py's records: tokens, cached = rows loaded)."""
-    prompts_file, out = tmp / f"prompts-{role}.json", tmp / f"out-{role}.json"
-    prompts_file.write_text(json.dumps(prompts))
+def instance(tmp: Path, folder: Path, store: Path, role: str, prompts: list[list[int]], new: int) -> Run:
+    """One instance of the pair on ``prompts`` (greedy.py, its own process: ``run[0]`` its records: tokens,
+    cached = rows loaded)."""
     transfer = {"kv_connector": "PopConnector", "kv_role": role,
                 "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    done = subprocess.run([sys.executable, str(HERE / "greedy.py"), str(folder), str(prompts_file), str(out),
-                           json.dumps({**ENGINE, "kv_transfer_config": transfer}), str(new)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
+    return engine(tmp / role, folder, [{"prompts": prompts}], new, **ENGINE, kv_transfer_config=transfer)
 
 
 def split(tmp: Path, folder: Path, handed: list[list[int]], missing: list[list[int]] = ()) -> list[dict]:
     """Prefill ``handed`` on the prefill instance, then decode ``handed`` and ``missing`` (never prefilled)
     on the decode instance; the decode instance's records, in that order."""
     store = tmp / "store"
-    prefill = instance(tmp, folder, store, "kv_producer", handed, 1)
+    prefill = instance(tmp, folder, store, "kv_producer", handed, 1)[0]
     assert all(len(r["tokens"]) == 1 for r in prefill)
-    return instance(tmp, folder, store, "kv_consumer", [*handed, *missing], NEW)
+    return instance(tmp, folder, store, "kv_consumer", [*handed, *missing], NEW)[0]
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "pop"
-    popcompile("export", "smollm2-135m", "--target", "vllm", "--out", out, "--cut", "20", "--kv-calibration",
-               "none", "--min-prompt-tokens", "0")
-    return out
+def smollm2(folders) -> Path:
+    """SmolLM2's POP folder (cut 20, no calibration, POP for every prompt): conftest.py's, shared with
+    test_vllm_plugin.py (the instances only read it; their hand-off folders are their own)."""
+    return folders["pop"]
 
 
-def test_pop_prefill_then_full_decode_equals_single_instance_pop(smollm2, tmp_path):
-    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+def smollm2_prompts(folder: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(handed: prompts of 40 to 700 tokens, prefilled on the prefill instance; missing: one it never saw)."""
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     text = tokenizer.encode("".join(text for _, text in stdlib_texts()[:2])).ids
-    handed = [text[:n] for n in (40, 129, 200, 257)] + [text[300:1000]]
-    missing = [text[50:350]]
-    served = split(tmp_path, smollm2, handed, missing)
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    pop = [generate(model, torch.tensor([ids]), NEW, Variant(cut=20)) for ids in handed]
-    full = generate(model, torch.tensor(missing), NEW, Variant(cut=30))
-    assert [r["tokens"] for r in served] == [*pop, full]
-    # the decode instance loaded every prompt row but the last (x_N runs there, through the full model) and
-    # prefilled the prompt it had no rows for in full
-    assert [r["cached"] for r in served] == [len(ids) - 1 for ids in handed] + [0]
-    # POP changed at least one completion: the rows really are POP's
-    assert pop != [generate(model, torch.tensor([ids]), NEW, Variant(cut=30)) for ids in handed]
+    return [text[:n] for n in (40, 129, 200, 257)] + [text[300:1000]], [text[50:350]]
+
+
+def tiny_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (60, 129, 300)]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """A tiny random Llama (head_dim 32: the CPU backend's smallest), its POP+ folder (cut 2 of 4) and fit."""
+    """A tiny random Llama (head_dim 32: the CPU backend's smallest), its POP+ folder (cut 2 of 4) and fit
+    (``popcompile calibrate --cut 2 --max-tokens 4096``), in the pytest process, the model loaded once."""
     sys.path.insert(0, str(HERE.parent / "tests"))
     from tiny_engine import tiny_hf_folder
 
     root = tmp_path_factory.mktemp("tiny")
     hf = tiny_hf_folder(root / "hf", "llama", layers=4, head_dim=32, initializer_range=0.1,
                         max_position_embeddings=1024)
-    fit = root / "fit.safetensors"
-    popcompile("calibrate", hf, "--cut", "2", "--max-tokens", "4096", "--out", fit)
-    popcompile("export", hf, "--target", "vllm", "--out", root / "pop+", "--cut", "2",
-               "--kv-calibration", fit, "--min-prompt-tokens", "0")
+    loaded = load(hf)
+    fit = calibrate(loaded, root / "fit.safetensors", cut=2, max_tokens=4096)
+    export(loaded, root / "pop+", cut=2, kv_calibration=fit)
     return hf, root / "pop+", fit
 
 
-def test_pop_plus_prefill_hands_over_the_fitted_rows(tiny, tmp_path):
+def tiny_pair_then_refused(tmp: Path, folder: Path, smollm2: Path, refused: bool) -> tuple[list[dict], Run]:
+    """The tiny POP+ pair over one hand-off folder (the decode instance's records), then, with ``refused``,
+    SmolLM2 as a decode instance on that hand-off folder, which holds the tiny model's layout now."""
+    served = split(tmp, folder, tiny_prompts())
+    assert (tmp / "store" / "layout.json").is_file()
+    return served, refused and instance(tmp / "refused", smollm2, tmp / "store", "kv_consumer",
+                                        [[5, 6, 7, 8]], 4)
+
+
+#: the tests that read each pair's run
+PAIRS = {"smollm2": {"test_pop_prefill_then_full_decode_equals_single_instance_pop"},
+         "tiny": {"test_pop_plus_prefill_hands_over_the_fitted_rows",
+                  "test_a_decode_instance_of_another_model_is_refused"}}
+
+
+@pytest.fixture(scope="module")
+def pairs(request, smollm2, tiny, tmp_path_factory) -> dict[str, Future]:
+    """The prefill/decode pairs the selected tests read, started now in the background, side by side
+    (serving.start): SmolLM2's POP pair, and the tiny POP+ pair followed by SmolLM2 as its decode instance.
+    A test computes its references, then waits for its pair."""
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    root, runs = tmp_path_factory.mktemp("pairs"), {}
+    if PAIRS["smollm2"] & selected:
+        runs["smollm2"] = start(split, root / "smollm2", smollm2, *smollm2_prompts(smollm2))
+    if PAIRS["tiny"] & selected:
+        refused = "test_a_decode_instance_of_another_model_is_refused" in selected
+        runs["tiny"] = start(tiny_pair_then_refused, root / "tiny", tiny[1], smollm2, refused)
+    return runs
+
+
+def test_pop_prefill_then_full_decode_equals_single_instance_pop(pairs, smollm2):
+    handed, missing = smollm2_prompts(smollm2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    pop = [generate(model, torch.tensor([ids]), NEW, Variant(cut=20)) for ids in handed]
+    full = generate(model, torch.tensor(missing), NEW, Variant(cut=30))
+    handed_full = [generate(model, torch.tensor([ids]), NEW, Variant(cut=30)) for ids in handed]
+    served = pairs["smollm2"].result()
+    assert [r["tokens"] for r in served] == [*pop, full]
+    # the decode instance loaded every prompt row but the last (x_N runs there, through the full model) and
+    # prefilled the prompt it had no rows for in full
+    assert [r["cached"] for r in served] == [len(ids) - 1 for ids in handed] + [0]
+    # POP changed at least one completion: the rows really are POP's
+    assert pop != handed_full
+
+
+def test_pop_plus_prefill_hands_over_the_fitted_rows(tiny, pairs):
     hf, folder, fit = tiny
     config = json.loads((folder / "config.json").read_text())
     assert config["popcompile"]["kv_weights"] == "pop_kv.safetensors"
-    generator = torch.Generator().manual_seed(0)
-    handed = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (60, 129, 300)]
-    served = split(tmp_path, folder, handed)
+    handed = tiny_prompts()
     weights = load_fit(fit).weights
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     pop_plus = Variant(cut=2, kv_weights=weights)
     expected = [generate(model, torch.tensor([ids]), NEW, pop_plus) for ids in handed]
+    pop = [generate(model, torch.tensor([ids]), NEW, Variant(cut=2)) for ids in handed]
+    served, _ = pairs["tiny"].result()
     assert [r["tokens"] for r in served] == expected
-    assert expected != [generate(model, torch.tensor([ids]), NEW, Variant(cut=2)) for ids in handed]
+    assert expected != pop
 
 
-def test_a_decode_instance_of_another_model_is_refused(tiny, smollm2, tmp_path):
-    """The hand-off folder holds the tiny model's layout: SmolLM2 as the decode instance does not start."""
-    _, folder, _ = tiny
-    store = tmp_path / "store"
-    instance(tmp_path, folder, store, "kv_producer", [[5, 6, 7, 8]], 1)
-    prompts = tmp_path / "p.json"
-    prompts.write_text(json.dumps([[5, 6, 7, 8]]))
-    transfer = {"kv_connector": "PopConnector", "kv_role": "kv_consumer",
-                "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    done = subprocess.run([sys.executable, str(HERE / "greedy.py"), str(smollm2), str(prompts),
-                           str(tmp_path / "out.json"), json.dumps({**ENGINE, "kv_transfer_config": transfer}),
-                           "4"], capture_output=True, text=True, timeout=900)
+def test_a_decode_instance_of_another_model_is_refused(pairs):
+    """The tiny pair's hand-off folder holds the tiny model's layout (its prefill instance wrote it):
+    SmolLM2 as a decode instance on it does not start."""
+    done = pairs["tiny"].result()[1].done
     assert done.returncode != 0
     assert "belongs to another model layout" in done.stderr and "num_layers 4 vs 30" in done.stderr, \
         done.stderr[-3000:]

