@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from popcompile.kvfit import corpus
-from popcompile.kvfit.calibrate import default_batches, fit_kv, token_batches
+from popcompile.kvfit.calibrate import default_batches, ridge_fit, token_batches
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval import scoring
 from popcompile.reference import Variant
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     for name, batches in corpora(tok).items():
         start = time.perf_counter()
         with torch.no_grad():
-            fit = fit_kv(model, batches, cut)
+            fit = ridge_fit(model, batches, cut)
         fits[name] = {"tokens": fit.info.tokens, "seconds": time.perf_counter() - start}
         variants[f"pop-kvfit-{name}"] = Variant(cut, kv_weights=fit.weights)
         print(f"fitted on {name}: {fits[name]}", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ import torch
 
 from popcompile.config import DistillConfig, KVFitConfig, resolve_cut
 from popcompile.frontend.models import load_model
-from popcompile.kvfit.fit import builtin_tokens, fit_cut
+from popcompile.kvfit.fit import builtin_tokens, fit_on_tokens
 from popcompile.measure.eval import data as eval_data
 from popcompile.measure.eval.greedy import reference_greedy_task
 from popcompile.measure.eval.scoring import continuation_eval
@@ -58,7 +58,7 @@ def fit(loaded, cut: int, name: str, overrides: dict) -> tuple[dict, float, dict
     else:
         tokens = builtin_tokens(loaded.tokenizer, config)
     start = time.perf_counter()
-    found, result = fit_cut(loaded.model, tokens, cut, config)
+    found, result = fit_on_tokens(loaded.model, tokens, cut, config)
     seconds = time.perf_counter() - start
     record = {} if result is None else {
         "best_step": result.best_step, "steps_run": result.steps_run, "windows": int(tokens.shape[0]),

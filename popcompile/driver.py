@@ -5,8 +5,8 @@ read and fill in); the progress bar and ``steps()`` read the names from that lis
 
     load                  frontend.models.load_model  a shipped name, a .gguf, a HF folder (or a LoadedModel)
     calibrate             config.resolve_cut,         the cut for this model's depth, resolved once; POP+
-                          kvfit.fit.kv_fit            weights (none | ridge | file | auto on a VLM)
-    distill               kvfit.fit.kv_fit            POP++ weights (minutes): distill, auto on a text model
+                          kvfit.fit.resolve_fit       weights (none | ridge | file | auto on a VLM)
+    distill               kvfit.fit.resolve_fit       POP++ weights (minutes): distill, auto on a text model
     (cast)                cast_model                  the model in the engine's dtype (no progress name)
     capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
     POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
@@ -46,8 +46,8 @@ from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
 from .frontend.vision import check_cut as check_vision_cut
 from .fsutil import destination_lock, staged_folder
-from .kvfit.calibrate import KVFit, read_fit
-from .kvfit.fit import DISTILL_STEP, fit_method, kv_fit
+from .kvfit.calibrate import KVFit, load_file_fit
+from .kvfit.fit import DISTILL_STEP, fit_method, resolve_fit
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
 from .threshold import FIXED_MIN_PROMPT_TOKENS
@@ -119,13 +119,13 @@ def _calibrate(c: Compilation) -> None:
     c.cut = c.config.resolve_cut(text.num_hidden_layers)
     check_vision_cut(c.loaded.model.config, c.cut)
     if fit_method(c.loaded.model, c.config.kv_calibration) != "distill":  # distill: its own step
-        c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
+        c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
                        config=c.config.kv_fit, folder=c.model_folder)
 
 
 def _distill(c: Compilation) -> None:
     if fit_method(c.loaded.model, c.config.kv_calibration) == "distill":
-        c.fit = kv_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
+        c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
                        config=c.config.kv_fit, folder=c.model_folder)
 
 
@@ -192,7 +192,7 @@ def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *,
     target = target.for_config(config)  # e.g. the attention lowering, decided once for this dtype
     c = Compilation(model, config, target, out, force, progress or (lambda name: None))
     check_output_folder(out, force)
-    c.early_fit = read_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
+    c.early_fit = load_file_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
     plan = [step for step in COMPILE_STEPS if step.applies(config, target)]
     with destination_lock(out):
         check_output_folder(out, force)  # again: another export may have finished while we waited

@@ -34,6 +34,7 @@ from .config import KVCalibration, PopConfig, resolve_cut
 from .errors import ConfigError
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
 from .passes.layers import find_layers, module_path
+from .passes.pop import kv_projection_shapes
 from .passes.static_seq import symbolize_sequence
 from .threshold import FIXED_MIN_PROMPT_TOKENS, uses_pop
 
@@ -135,7 +136,7 @@ class PopBackend:
             return _inner(opts.inner)(gm, example_inputs)
         pruned = fx.GraphModule(gm, _copy_graph(gm.graph))  # the pass rewrites a copy: gm stays whole
         try:
-            _fold(pruned, cut, _kv_weights(opts, cut, num_layers), static_len)
+            _fold(pruned, cut, _kv_weights(opts, cut, num_layers, gm.graph), static_len)
         except UnsupportedGraph as err:
             self._warn(str(err))
             self.records.append(GraphRecord("fallback", before, before, reason=str(err)))
@@ -239,11 +240,17 @@ def _fold(gm: fx.GraphModule, cut: int, kv_weights, static_len: int | None) -> N
         symbolized.restore_meta()
 
 
-def _kv_weights(opts: PopOptions, cut: int, num_layers: int):
-    from .kvfit.fit import file_fit
+def _kv_weights(opts: PopOptions, cut: int, num_layers: int, graph: fx.Graph):
+    """A calibration file's weights, checked against the cut and the graph's k/v projections as export checks
+    them against the model's (InputError naming what to re-run); None for kv_calibration none."""
+    from .kvfit.calibrate import check_kv_shapes
+    from .kvfit.fit import resolve_file_fit
 
-    fit = file_fit(opts.kv_calibration, cut, num_layers)  # a file's: ValueError naming the cut to fit for
-    return None if fit is None else fit.weights
+    fit = resolve_file_fit(opts.kv_calibration, cut, num_layers)
+    if fit is None:
+        return None
+    check_kv_shapes(fit, kv_projection_shapes(graph, cut + 1))
+    return fit.weights
 
 
 def _is_one(size) -> bool:

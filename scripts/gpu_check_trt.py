@@ -119,10 +119,10 @@ def trt_build(args, folder: Path) -> dict:
 
 
 def trt_numerics(args, folder: Path) -> dict:
-    from popcompile.runtime.ort import PopSession
+    from popcompile.runtime.ort import OrtSession
     from popcompile.runtime.trt import TrtSession
 
-    rows = compare(TrtSession(folder), PopSession(folder), folder, args.tokens[0], 16)
+    rows = compare(TrtSession(folder), OrtSession(folder), folder, args.tokens[0], 16)
     return {"reference": "onnxruntime CPU, float32", "rows": rows}
 
 
@@ -146,13 +146,13 @@ def trt_ttft(args, folder: Path) -> dict:
 
 
 def ort_cuda(args, folder: Path) -> dict:
-    from popcompile.runtime.ort import PopSession
+    from popcompile.runtime.ort import OrtSession
 
     provider = "cpu" if args.device == "cpu" else "cuda"
     try:
-        session = PopSession(folder, provider=provider)
+        session = OrtSession(folder, provider=provider)
     except ValueError as err:
         raise Skip(str(err)) from None
-    rows = compare(session, PopSession(folder), folder, args.tokens[0], 16)
+    rows = compare(session, OrtSession(folder), folder, args.tokens[0], 16)
     return {"provider": provider, "numerics vs CPU": rows,
             "rows": ttft_rows(session, folder, args.tokens, args.reps, _cut_info(folder))}

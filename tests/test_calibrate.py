@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import onnx
 import pytest
@@ -13,7 +12,7 @@ from tiny_engine import tiny_engine
 
 from popcompile import reference
 from popcompile.frontend.arch import DECODER_TYPES
-from popcompile.kvfit.calibrate import check_fit, default_batches, fit_kv, load_fit, save_fit
+from popcompile.kvfit.calibrate import check_fit, default_batches, load_fit, ridge_fit, save_fit
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
 
 EXACT_ATOL = 1e-5  # the issue's bound for an exactly linear case (float64 solve, float32 apply)
@@ -33,7 +32,7 @@ def test_fit_recovers_kv_when_deep_inputs_are_linear_in_h_cut():
     _linear_deep_layers(model, cut)
     torch.manual_seed(3)
     with torch.no_grad():
-        fit = fit_kv(model, [torch.randint(0, 97, (4, 64)) for _ in range(4)], cut, ridge=1e-10)
+        fit = ridge_fit(model, [torch.randint(0, 97, (4, 64)) for _ in range(4)], cut, ridge=1e-10)
     held_out = torch.randint(0, 97, (1, 40))
     with torch.no_grad():
         h = model.get_decoder()(held_out, output_hidden_states=True).hidden_states
@@ -50,16 +49,16 @@ def test_fit_recovers_kv_when_deep_inputs_are_linear_in_h_cut():
 def test_cut_equal_to_layers_changes_nothing(tmp_path):
     model = tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match="prunes nothing"):
-        fit_kv(model, [torch.randint(0, 97, (1, 8))], 4)
-    from popcompile.kvfit.fit import kv_fit
+        ridge_fit(model, [torch.randint(0, 97, (1, 8))], 4)
+    from popcompile.kvfit.fit import resolve_fit
 
-    assert kv_fit(model, None, 4, "auto") is None
+    assert resolve_fit(model, None, 4, "auto") is None
 
 
 def test_save_load_roundtrip_and_mismatch(tmp_path):
     model = tiny_model("qwen2", layers=4)
     with torch.no_grad():
-        fit = fit_kv(model, [torch.randint(0, 97, (2, 16))], 2)
+        fit = ridge_fit(model, [torch.randint(0, 97, (2, 16))], 2)
     save_fit(fit, tmp_path / "kv.safetensors")
     loaded = load_fit(tmp_path / "kv.safetensors")
     # no side file
@@ -93,7 +92,7 @@ def test_calibrated_engine_has_the_same_nodes(engines, boundary, bias):
     is in the same graph and keeps the model's own K/V weights, so each refitted projection adds one
     MatMul for that one row (and the ops that pick the row); nothing else computes more. With a fitted
     bias (llama has none) each refitted layer adds one Add: its [bk|bv] after the packed [Wk|Wv] MatMul
-    (exporters/ort_pack.py); x_N's row (model's own weights) gets none."""
+    (ort_passes/pack.py); x_N's row (model's own weights) gets none."""
     refit = _fitted_engine(engines, "llama", bias, boundary=boundary)
     added = {"Add": 1} if bias else {}  # layer 3 only: layer 2 = cut reads h_cut already
     plain = engines.tiny("llama", cut=2, boundary=boundary)
@@ -102,7 +101,7 @@ def test_calibrated_engine_has_the_same_nodes(engines, boundary, bias):
         assert after == before + Counter(added)
     else:
         # k_proj and v_proj of layer 3 on x_N's row (layer 2 = cut already reads h_cut): one MatMul and its
-        # Split, as the fused graphs pack the projections of one activation (exporters/ort_pack.py)
+        # Split, as the fused graphs pack the projections of one activation (ort_passes/pack.py)
         assert after["MatMul"] + after["Gemm"] == before["MatMul"] + before["Gemm"] + 1
         assert after["Split"] == before["Split"] + 1
         assert after["Add"] >= before["Add"] + added.get("Add", 0)
@@ -120,7 +119,7 @@ def test_smollm2_refit_reduces_kv_error_on_held_out_text(real_model):
     loaded = real_model("smollm2-135m")
     model, cut = loaded.model, 20
     with torch.no_grad():
-        fit = fit_kv(model, default_batches(loaded.tokenizer, seq_len=256, max_tokens=8192), cut)
+        fit = ridge_fit(model, default_batches(loaded.tokenizer, seq_len=256, max_tokens=8192), cut)
         held_out = torch.tensor([encode(loaded.tokenizer, stdlib_texts(("textwrap",))[0][1])[:256]])
         full = model(held_out, use_cache=True).past_key_values
         plain = reference.prefill_cache(model, held_out, cut)
@@ -137,18 +136,18 @@ def test_smollm2_refit_reduces_kv_error_on_held_out_text(real_model):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen2"])
 def test_one_pass_fit_of_every_cut_equals_fit_kv(arch, bias):
-    """fit_kv_cuts solves the same ridge problems as fit_kv from shared moments (RMS norm = scale * unit
+    """ridge_fits solves the same ridge problems as ridge_fit from shared moments (RMS norm = scale * unit
     norm; Gemma 3's scale is 1 + w; Qwen2 has biases). Float64 moments of float32 activations: the
-    weights agree to 1e-5 of their scale (measured 1e-7) (float32 rounding of x = norm(h) in fit_kv is the
+    weights agree to 1e-5 of their scale (measured 1e-7) (float32 rounding of x = norm(h) in ridge_fit is the
     difference)."""
-    from popcompile.kvfit.calibrate import fit_kv_cuts
+    from popcompile.kvfit.calibrate import ridge_fits
 
     model = tiny_model(arch, layers=5)
     torch.manual_seed(1)
     batches = [torch.randint(0, 97, (2, 48)) for _ in range(3)]
     with torch.no_grad():
-        fits = fit_kv_cuts(model, batches, [2, 3, 4], bias=bias)
-        single = {cut: fit_kv(model, batches, cut, bias=bias) for cut in (2, 3)}
+        fits = ridge_fits(model, batches, [2, 3, 4], bias=bias)
+        single = {cut: ridge_fit(model, batches, cut, bias=bias) for cut in (2, 3)}
     assert set(fits) == {2, 3, 4} and fits[4].weights == {}  # cut L-1: layer L-1 reads h_{L-1} anyway
     for cut, fit in single.items():
         assert (fits[cut].info == fit.info
@@ -164,21 +163,21 @@ def test_one_pass_fit_of_every_cut_equals_fit_kv(arch, bias):
 
 
 def test_one_pass_fit_rejects_bad_cuts():
-    from popcompile.kvfit.calibrate import fit_kv_cuts
+    from popcompile.kvfit.calibrate import ridge_fits
 
     model = tiny_model("llama", layers=4)
     for cuts in ([], [0, 2], [4]):
         with pytest.raises(ValueError, match="within 1..3"):
-            fit_kv_cuts(model, [torch.randint(0, 97, (1, 8))], cuts)
+            ridge_fits(model, [torch.randint(0, 97, (1, 8))], cuts)
 
 
-# --- a fitted bias where the model's projection has none (calibrate.fit_kv(bias=True), the default) -------
+# --- a fitted bias where the model's projection has none (calibrate.ridge_fit(bias=True), the default) ---
 
 def test_bias_is_fitted_for_every_projection_when_asked_and_recorded(tmp_path):
     model = tiny_model("llama", layers=4)
     batches = [torch.randint(0, 97, (2, 16))]
     with torch.no_grad():
-        fits = {bias: fit_kv(model, batches, 2, bias=bias) for bias in (False, True)}
+        fits = {bias: ridge_fit(model, batches, 2, bias=bias) for bias in (False, True)}
     for bias, fit in fits.items():
         assert fit.info.bias is bias
         for parts in fit.weights.values():
@@ -188,7 +187,7 @@ def test_bias_is_fitted_for_every_projection_when_asked_and_recorded(tmp_path):
     save_fit(fits[True], tmp_path / "kv.safetensors")
     assert load_fit(tmp_path / "kv.safetensors").info.bias is True
     with pytest.raises(ValueError, match="bias='yes' must be True"):
-        fit_kv(model, batches, 2, bias="yes")
+        ridge_fit(model, batches, 2, bias="yes")
 
 
 def test_files_written_before_the_bias_field_load_as_they_were(tmp_path):
@@ -201,7 +200,7 @@ def test_files_written_before_the_bias_field_load_as_they_were(tmp_path):
 
     model = tiny_model("qwen2", layers=4)
     with torch.no_grad():
-        fit = fit_kv(model, [torch.randint(0, 97, (2, 16))], 2, bias=False)
+        fit = ridge_fit(model, [torch.randint(0, 97, (2, 16))], 2, bias=False)
     save_fit(fit, tmp_path / "new.safetensors")
     from safetensors import safe_open
 
@@ -222,7 +221,7 @@ def test_shape_check_takes_a_fitted_bias_and_refuses_a_wrong_one():
 
     model = tiny_model("llama", layers=4)
     with torch.no_grad():
-        fit = fit_kv(model, [torch.randint(0, 97, (2, 16))], 2, bias=True)
+        fit = ridge_fit(model, [torch.randint(0, 97, (2, 16))], 2, bias=True)
     check_fit_shapes(fit, model)  # a bias [out] where llama's k/v projections have none
     k = fit.weights[3]["k_proj"]
     bad = KVFit(fit.info,
@@ -231,7 +230,7 @@ def test_shape_check_takes_a_fitted_bias_and_refuses_a_wrong_one():
         check_fit_shapes(bad, model)
     qwen = tiny_model("qwen2", layers=4)
     with torch.no_grad():
-        own = fit_kv(qwen, [torch.randint(0, 97, (2, 16))], 2, bias=False)
+        own = ridge_fit(qwen, [torch.randint(0, 97, (2, 16))], 2, bias=False)
     k = own.weights[3]["k_proj"]
     missing = KVFit(own.info, {3: {**own.weights[3], "k_proj": Projection(k.weight, None)}})
     with pytest.raises(ValueError, match="layer 3 k_proj"):  # qwen2 has a bias: the fit must have one too
@@ -245,7 +244,7 @@ def _bias_fit(arch: str, path=None, bias: bool = True) -> object:
     model = tiny_model(arch)
     batches = [torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     with torch.no_grad():
-        fit = fit_kv(model, batches, 2, bias=bias)
+        fit = ridge_fit(model, batches, 2, bias=bias)
     if path is not None:
         save_fit(fit, path)
     return model, fit

@@ -16,8 +16,17 @@ def test_popsession_is_ortsession_and_warns():
         from popcompile.runtime.ort import PopSession  # noqa: F401
 
 
+def test_top_level_pop_pass_points_at_the_pass_compile_runs():
+    from popcompile.passes import pop, prefill
+
+    with pytest.warns(DeprecationWarning, match="use pop_graphs"):
+        assert popcompile.pop_pass is pop.pop_pass
+    assert popcompile.pop_graphs is prefill.pop_graphs
+
+
 def test_deprecated_names_are_not_exported_by_star():
-    assert "PopSession" not in popcompile.__all__ and "OrtSession" in popcompile.__all__
+    assert {"PopSession", "pop_pass"}.isdisjoint(popcompile.__all__)
+    assert {"OrtSession", "pop_graphs"} <= set(popcompile.__all__)
 
 
 def test_unknown_names_still_fail():

@@ -17,7 +17,7 @@ from popcompile.cli import main
 from popcompile.config import DistillConfig
 from popcompile.errors import ConfigError, InputError
 from popcompile.frontend.arch import DECODER_TYPES
-from popcompile.kvfit.calibrate import KVFit, fit_kv, fit_kv_cuts, load_fit, save_fit
+from popcompile.kvfit.calibrate import KVFit, load_fit, ridge_fit, ridge_fits, save_fit
 from popcompile.kvfit.distill import (
     _own_projections,
     continuation_kl,
@@ -76,7 +76,7 @@ def test_fast_path_is_pop(arch):
     """(a) the precomputed path's logits and step-0 KL equal the eager reference's, for ridge and plain POP
     weights (which differ by far more than the tolerance: the check can tell them apart)."""
     model, ids = sharp_model(arch), windows()
-    ridge = fit_kv(model, [ids], CUT)
+    ridge = ridge_fit(model, [ids], CUT)
     full, pop = pop_continuation_logits(model, ids, CUT, ridge.weights, CONT)
     assert (full - reference_logits(model, ids, Variant(LAYERS))).abs().max() <= LOGITS_ATOL
     assert ((pop - reference_logits(model, ids, Variant(CUT, kv_weights=ridge.weights))).abs().max()
@@ -94,7 +94,7 @@ def test_distillation_lowers_held_out_kl(arch, tmp_path):
     best one (its KL on the held-out windows, recomputed, is best_kl) and the model is left as it was."""
     model, ids = sharp_model(arch), windows(32, 48)
     before = {name: p.clone() for name, p in model.named_parameters()}
-    init = plain_pop(model, fit_kv(model, [ids], CUT))
+    init = plain_pop(model, ridge_fit(model, [ids], CUT))
     config = DistillConfig(steps=100, lr=1e-3, continuation=16, held_out=0.25, eval_every=10,
                            targets="document", vocab_top_k=0, select="kl", boundary_weight=1.0)
     result = distill_kv(model, ids, init, config)
@@ -114,7 +114,7 @@ def test_distillation_lowers_held_out_kl(arch, tmp_path):
 def test_same_seed_same_weights():
     """(c) a seed fixes the split, the order and so every weight; another seed changes them."""
     model, ids = sharp_model("qwen2"), windows(8, 32)  # qwen2: biases are trained too
-    init = plain_pop(model, fit_kv(model, [ids], CUT))
+    init = plain_pop(model, ridge_fit(model, [ids], CUT))
     runs = [distill_kv(model, ids, init, DistillConfig(steps=12, lr=1e-3, continuation=CONT, seed=seed,
                                                          eval_every=4))
             for seed in (0, 0, 1)]
@@ -127,12 +127,12 @@ def test_same_seed_same_weights():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ridge_then_distill_is_the_ridge_fit_then_distill_kv_in_one_pass(arch):
-    """The ridge statistics taken from the distillation's precompute give fit_kv_cuts's fit of rows 0..T-2 of
+    """The ridge statistics taken from the distillation's precompute give ridge_fits's fit of rows 0..T-2 of
     each window (the precompute never runs the last token), and training from it is distill_kv's."""
     model, ids = sharp_model(arch), windows(8, 32)
     config = DistillConfig(steps=6, lr=1e-3, continuation=CONT, eval_every=3, targets="document")
     one_pass = ridge_then_distill(model, ids, CUT, config)
-    ridge = fit_kv_cuts(model, [ids[:, :-1]], [CUT], bias=True)[CUT]  # distill fits a bias by default
+    ridge = ridge_fits(model, [ids[:, :-1]], [CUT], bias=True)[CUT]  # distill fits a bias by default
     assert one_pass.init.info == ridge.info and one_pass.init.info.bias
     for i, parts in ridge.weights.items():
         for part, p in parts.items():
@@ -151,7 +151,7 @@ def test_early_stop_keeps_the_best_weights():
     """A learning rate far too large: held-out KL never improves, training stops after `patience` scores
     and the init weights come back unchanged."""
     model, ids = sharp_model("llama"), windows(8, 32)
-    init = fit_kv(model, [ids], CUT)
+    init = ridge_fit(model, [ids], CUT)
     result = distill_kv(model, ids, init, DistillConfig(steps=500, lr=1.0, continuation=CONT, eval_every=2,
                                                         patience=3))
     assert result.best_step == 0 and result.steps_run == 6 and result.best_kl == result.initial_kl
@@ -179,7 +179,7 @@ def test_bad_config_values_are_named(kwargs, culprit):
 ])
 def test_bad_windows_are_refused(ids, culprit):
     model = tiny_model("llama", layers=LAYERS)
-    init = fit_kv(model, [windows(2, 16)], CUT)
+    init = ridge_fit(model, [windows(2, 16)], CUT)
     targets = "greedy" if ids.shape[1] == 1 else "document"
     with pytest.raises(InputError, match=culprit):
         distill_kv(model, ids, init, DistillConfig(steps=1, continuation=CONT, targets=targets))
@@ -188,7 +188,7 @@ def test_bad_windows_are_refused(ids, culprit):
 def test_files_without_a_method_read_as_ridge(tmp_path):
     """Files written before CalibrationInfo.method existed stay readable (they are ridge fits)."""
     model = tiny_model("llama", layers=LAYERS)
-    save_fit(fit_kv(model, [windows(2, 16)], CUT), tmp_path / "new.safetensors")
+    save_fit(ridge_fit(model, [windows(2, 16)], CUT), tmp_path / "new.safetensors")
     meta = json.loads(_metadata(tmp_path / "new.safetensors"))
     assert meta.pop("method") == "ridge"
     save_file(load_file(tmp_path / "new.safetensors"), str(tmp_path / "old.safetensors"),

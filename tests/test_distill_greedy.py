@@ -12,7 +12,7 @@ from popcompile import reference
 from popcompile.config import DistillConfig
 from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.kvfit import corpus, distill, distill_windows
-from popcompile.kvfit.calibrate import fit_kv
+from popcompile.kvfit.calibrate import ridge_fit
 from popcompile.measure.eval.scoring import matched_prefix
 from popcompile.reference import Variant
 
@@ -27,7 +27,7 @@ def _data(model, ids, **options):
 @pytest.mark.parametrize("arch", sorted(DECODER_TYPES))
 def test_greedy_targets_and_scores_are_free_running_generation(arch):
     model, ids = sharp_model(arch), windows(6, 20)
-    fit = plain_pop(model, fit_kv(model, [ids], CUT))  # the paper's POP: far from full on some windows
+    fit = plain_pop(model, ridge_fit(model, [ids], CUT))  # the paper's POP: far from full on some windows
     data = _data(model, ids, vocab_top_k=0)
     full = [reference.generate(model, w[None], CONT, Variant(LAYERS)) for w in ids]
     assert data.targets.tolist() == full  # the scored rows are x_N, then the full model's greedy tokens
@@ -42,7 +42,7 @@ def test_greedy_targets_and_scores_are_free_running_generation(arch):
 
 def test_kept_vocabulary_is_the_union_of_top_k_and_its_kl():
     model, ids = sharp_model("llama"), windows(4, 20)
-    fit = plain_pop(model, fit_kv(model, [ids], CUT))  # KL ~1e-1: the comparison has digits to compare
+    fit = plain_pop(model, ridge_fit(model, [ids], CUT))  # KL ~1e-1: the comparison has digits to compare
     whole, kept = _data(model, ids, vocab_top_k=0), _data(model, ids, vocab_top_k=3)
     assert whole.vocab is None and whole.teacher.shape == (4, CONT, 97)
     top = whole.teacher.topk(3, dim=-1).indices.unique()
@@ -58,7 +58,7 @@ def test_kept_vocabulary_is_the_union_of_top_k_and_its_kl():
 
 def test_boundary_weight_weights_the_first_scored_row():
     model, ids = sharp_model("llama"), windows(2, 20)
-    fit = fit_kv(model, [ids], CUT)
+    fit = ridge_fit(model, [ids], CUT)
     data, rows = _data(model, ids), torch.arange(2)
     kl = distill._row_kl(model, data, rows, fit.weights)[0].detach()  # [2, CONT]
     for weight in (1.0, 5.0):
@@ -77,7 +77,7 @@ def test_greedy_selection_prefers_the_longer_matched_prefix_then_the_lower_kl():
 
 def test_distilling_on_greedy_targets_keeps_the_best_held_out_score():
     model, ids = sharp_model("llama"), windows(16, 24)
-    init = plain_pop(model, fit_kv(model, [ids], CUT))  # the paper's POP: room to improve
+    init = plain_pop(model, ridge_fit(model, [ids], CUT))  # the paper's POP: room to improve
     config = DistillConfig(steps=40, lr=1e-3, continuation=CONT, eval_every=5, held_out=0.25)
     result = distill.distill_kv(model, ids, init, config)
     assert result.best_step > 0 and result.best.matched_prefix >= result.initial.matched_prefix

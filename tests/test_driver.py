@@ -21,7 +21,7 @@ from popcompile.errors import ConfigError
 from popcompile.exporters.targets import TARGETS, OnnxTarget, TensorRTTarget, target_for
 from popcompile.exporters.tensorrt import TrtBuildConfig
 from popcompile.frontend.models import LoadedModel, ModelSource
-from popcompile.kvfit.calibrate import fit_kv, save_fit
+from popcompile.kvfit.calibrate import ridge_fit, save_fit
 
 LAYERS = 6
 
@@ -37,7 +37,7 @@ def fit_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("fit") / "kv.safetensors"
     model = tiny_model("llama", layers=LAYERS, max_position_embeddings=256)
     with torch.no_grad():
-        save_fit(fit_kv(model, [torch.randint(0, 97, (2, 16))], 4), path)
+        save_fit(ridge_fit(model, [torch.randint(0, 97, (2, 16))], 4), path)
     return path
 
 

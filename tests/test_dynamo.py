@@ -117,12 +117,12 @@ def test_cut_at_depth_equals_plain_generate():
 def test_kv_calibration_equals_pop_plus_reference(tmp_path, arch):
     """qwen2: k/v projections with a bias; llama: a fitted bias on projections that have none (x_N's row keeps
     the model's own projection, passes/boundary.py)."""
-    from popcompile.kvfit.calibrate import fit_kv, save_fit
+    from popcompile.kvfit.calibrate import ridge_fit, save_fit
 
     model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
     batches = [torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     with torch.no_grad():
-        fit = fit_kv(model, batches, cut, bias=True)
+        fit = ridge_fit(model, batches, cut, bias=True)
     assert all(p.bias is not None for parts in fit.weights.values() for p in parts.values())
     save_fit(fit, tmp_path / "fit.safetensors")
     backend = PopBackend(PopOptions(cut=cut, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors"),
@@ -135,15 +135,32 @@ def test_kv_calibration_equals_pop_plus_reference(tmp_path, arch):
 
 
 def test_kv_calibration_for_another_cut_is_an_error_naming_the_fix(tmp_path):
-    from popcompile.kvfit.calibrate import fit_kv, save_fit
+    from popcompile.kvfit.calibrate import ridge_fit, save_fit
 
     model, ids = tiny_model("llama", layers=6), prompt()
     with torch.no_grad():
-        fit = fit_kv(model, [torch.randint(0, 97, (2, 24))], 4)
+        fit = ridge_fit(model, [torch.randint(0, 97, (2, 24))], 4)
     save_fit(fit, tmp_path / "fit.safetensors")
     backend = PopBackend(PopOptions(cut=3, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors"),
                                     min_prompt_tokens=ALWAYS))
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="calibrate --cut 3"):
+        compiled_generate(model, ids, backend, cache_implementation="static")
+
+
+def test_kv_calibration_of_another_model_is_refused_like_export_refuses_it(tmp_path):
+    """A fit for the same cut and depth but other k/v shapes (kv_heads 1, not 2): the backend checks it
+    against the graph's projections (kvfit.calibrate.check_kv_shapes, the check export makes against the
+    model)."""
+    from popcompile.kvfit.calibrate import ridge_fit, save_fit
+
+    other, model, ids = tiny_model("llama", layers=6, kv_heads=1), tiny_model("llama", layers=6), prompt()
+    with torch.no_grad():
+        fit = ridge_fit(other, [torch.randint(0, 97, (2, 24))], 3)
+    save_fit(fit, tmp_path / "fit.safetensors")
+    backend = PopBackend(PopOptions(cut=3, inner="eager", kv_calibration=str(tmp_path / "fit.safetensors"),
+                                    min_prompt_tokens=ALWAYS))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
+                       match=r"layer 4 k_proj: shapes .*\(16, 64\).* do not match .*\(32, 64\).*calibrate"):
         compiled_generate(model, ids, backend, cache_implementation="static")
 
 

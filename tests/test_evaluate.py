@@ -45,12 +45,12 @@ def docs():
 
 
 def _tiny_fit(model):
-    from popcompile.kvfit.calibrate import fit_kv
+    from popcompile.kvfit.calibrate import ridge_fit
 
     def fit(cut):
         torch.manual_seed(0)
         with torch.no_grad():
-            return fit_kv(model, [torch.randint(0, model.config.vocab_size, (2, 32))], cut).weights
+            return ridge_fit(model, [torch.randint(0, model.config.vocab_size, (2, 32))], cut).weights
     return fit
 
 

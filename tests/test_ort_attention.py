@@ -1,4 +1,4 @@
-"""Attention lowered to onnxruntime's fused ops (exporters/ort_attention.py), every registered architecture.
+"""Attention lowered to onnxruntime's fused ops (ort_passes/attention.py), every registered architecture.
 
 The fused graphs are the standard-op graphs of the same tiny engine rewritten by ``lower_for_ort``; both run
 on onnxruntime on the same inputs: a left-padded batch (P = 0), a continuation after cached rows (P > 0,
@@ -18,15 +18,15 @@ from tiny_engine import tiny_engine
 
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
-from popcompile.exporters.ort_attention import GQA, MHA, lower_for_ort
-from popcompile.exporters.ort_pack import pack_projections
-from popcompile.exporters.ort_rotary import fuse_rotary
-from popcompile.exporters.ort_shared_kv import PRESENT_DIM, share_kv_buffer
-from popcompile.exporters.ort_views import drop_round_trip_views
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.arch import DECODER_TYPES
+from popcompile.ort_passes.attention import GQA, MHA, lower_for_ort
+from popcompile.ort_passes.pack import pack_projections
+from popcompile.ort_passes.rotary import fuse_rotary
+from popcompile.ort_passes.shared_kv import PRESENT_DIM, share_kv_buffer
+from popcompile.ort_passes.views import drop_round_trip_views
 from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
@@ -122,7 +122,7 @@ def _bound_run(session: ort.InferenceSession, feeds: dict, buffer: np.ndarray, b
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_graph_reads_and_writes_the_kv_buffer_in_place(graphs, case):
-    """The shared decode graph (exporters/ort_shared_kv.py) bound to a max_seq buffer: the standard graph's
+    """The shared decode graph (ort_passes/shared_kv.py) bound to a max_seq buffer: the standard graph's
     logits and new rows, written at past..past+T-1; rows before (the past) and after (never written: filled
     with 1e3 here, so a read of them would show) are left as they were."""
     batch, past, seq, pad = CASES[case]
@@ -179,7 +179,7 @@ def test_every_layer_takes_a_fused_form(graphs):
 
 
 def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share(graphs):
-    """q/k/v and gate/up are one MatMul each (exporters/ort_pack.py), and every packed weight the prefill
+    """q/k/v and gate/up are one MatMul each (ort_passes/pack.py), and every packed weight the prefill
     graph reads is one the decode graph reads too. The folded prefill's pruned layers read k/v over the prompt
     and q over x_N alone: there both graphs pack [Wk|Wv] and keep Wq apart; a decode graph alone packs all
     three."""
@@ -200,7 +200,7 @@ def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share
 
 def test_views_that_end_where_they_began_are_gone(graphs):
     """The exporter's head views around the fused ops ([B,S,H*D] -> [B,S,H,D] -> [B,S,H*D], and v's two
-    Transposes) are removed (exporters/ort_views.py). The shared decode graph keeps no Transpose, and a
+    Transposes) are removed (ort_passes/views.py). The shared decode graph keeps no Transpose, and a
     Reshape only where an op reads the head view (Gemma 3's per-head q/k norm) or for RotaryEmbedding's caches
     (the graph that is not shared keeps its presents' [B,H,S,D] views)."""
     assert min(graphs["views"][("decode", form)] for form in ("shared_proto", "proto")) >= 5 * LAYERS
@@ -221,7 +221,7 @@ def _content(tensor: onnx.TensorProto) -> bytes:
 
 
 def test_rope_becomes_rotary_embedding_on_the_token_rows(graphs):
-    """Every query's and key's rotation is one RotaryEmbedding (exporters/ort_rotary.py), in both graphs:
+    """Every query's and key's rotation is one RotaryEmbedding (ort_passes/rotary.py), in both graphs:
     no rotate-half ops are left, and in the decode graphs q and k reach GroupQueryAttention without a
     Transpose."""
     assert graphs["rotary"] == graphs["rotary_decode"] == graphs["rotary_prefill"] == 2 * LAYERS

@@ -169,6 +169,15 @@ def mode_none(tree: ast.AST) -> list[int]:
                                                     for c in node.comparators)]
 
 
+def compares(*names: str):
+    """Lines comparing anything with one of ``names`` (==, !=, in): a version check against a constant."""
+    def find(tree: ast.AST) -> list[int]:
+        return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                and any(_name(side) in names or isinstance(side, ast.Attribute) and side.attr in names
+                        for side in (node.left, *node.comparators))]
+    return find
+
+
 def calls(*functions: str):
     """Lines calling any of ``functions`` (by name or attribute)."""
     def find(tree: ast.AST) -> list[int]:
@@ -188,7 +197,7 @@ RULES = {
     "the ridge fit": (calls("solve", "lstsq", "ridge_solve", "_AllCutMoments"), ("kvfit/calibrate.py",)),
     # auto -> fused | standard per dtype: OnnxTarget.lowering, and nowhere else (its own module included)
     "attention lowering": (lowering_choice, ()),
-    # none / a file / fitted: kvfit.fit (kv_fit, file_fit); KVCalibration itself says what a mode is
+    # none / a file / fitted: kvfit.fit (resolve_fit, resolve_file_fit); KVCalibration says what a mode is
     "kv_calibration -> K/V weights": (mode_none, ("config.py", "kvfit/fit.py")),
     "a calibration file checked against the cut": (calls("check_fit"), ("kvfit/fit.py",)),
     "dtype byte sizes": (byte_sizes, ("engine/kv.py",)),
@@ -198,6 +207,11 @@ RULES = {
     # is_readable_version)
     "manifest versions": (names_used("FORMAT_VERSION", "VISION_FORMAT_VERSION", "READABLE_VERSIONS"),
                           ("engine/manifest.py",)),
+    # what marks a folder as ours: engine.manifest.is_engine_manifest (an engine), engine.vllm_folder.
+    # is_readable_entry (a vLLM folder's config.json entry, read by the plugin too)
+    "engine / vLLM folder format": (compares("FORMAT"), ("engine/manifest.py", "engine/vllm_folder.py")),
+    # a K/V fit's k/v shapes against a model's or a graph's: kvfit.calibrate.check_kv_shapes
+    "a K/V fit's shapes checked": (compares("got_shapes"), ("kvfit/calibrate.py",)),
 }
 
 
@@ -234,6 +248,8 @@ def test_each_rule_is_found_in_its_owner():
     (calls("check_fit"), "check_fit(fit, cut, layers)", [1]),
     (names_used("k_norm"), "norm = layer.get_submodule(spec.k_norm)", [1]),
     (names_used("FORMAT_VERSION"), "v = {'format_version': FORMAT_VERSION}", [1]),
+    (compares("FORMAT"), "ok = entry.get('format') != FORMAT", [1]),
+    (compares("FORMAT"), "ok = is_readable_entry(entry)", []),
 ])
 def test_the_rule_checkers_see_a_second_site(find, source, expected):
     assert find(ast.parse(source)) == expected

@@ -141,7 +141,7 @@ def test_find_layers_reads_the_norm_input_not_the_residual_cast():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"cut": 0}, "out of range"), ({"cut": 5}, "out of range"), ({"prune_ratio": 1.0}, "out of range"),
+    ({"cut": 0}, "integer >= 1"), ({"cut": 5}, "out of range"), ({"prune_ratio": 1.0}, "out of range"),
     ({"cut": 2, "prune_ratio": 0.5}, "either"),
 ])
 def test_bad_cut_is_a_clear_error(kwargs, message):

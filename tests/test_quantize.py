@@ -22,12 +22,12 @@ from popcompile.driver import compile as compile_model
 from popcompile.driver import steps
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
-from popcompile.exporters.ort_attention import GQA, MHA
 from popcompile.exporters.quantize import quantize_weights, untie_gemm_heads
 from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
 from popcompile.frontend.models import LoadedModel, ModelSource
+from popcompile.ort_passes.attention import GQA, MHA
 from popcompile.runtime.ort import OrtSession
 from popcompile.runtime.sampling import SamplingConfig
 
@@ -88,7 +88,7 @@ def _decode_outputs(folder: Path) -> list[np.ndarray]:
 
 
 def test_every_constant_weight_matmul_becomes_matmulnbits(folders):
-    # decode: 4 projections per layer (q/k/v and gate/up packed: exporters/ort_pack.py; o, down), q apart in
+    # decode: 4 projections per layer (q/k/v and gate/up packed: ort_passes/pack.py; o, down), q apart in
     # the pruned layers (the prefill reads it over x_N alone), and the LM head (a Gemm over the tied
     # embedding, untied first); prefill: at least layers 0..cut-1 whole, the pruned layers' packed k/v
     # projection (POP), x_N's q and the head.
@@ -103,7 +103,7 @@ def test_every_constant_weight_matmul_becomes_matmulnbits(folders):
                     for a in n.attribute if a.name == "bits"}
             assert bits == {4 if fmt == "int4" else 8}
             # attention's activation-by-activation products (Q.K^T, P.V) stay float, inside the fused
-            # attention ops (exporters/ort_attention.py); no other MatMul is left
+            # attention ops (ort_passes/attention.py); no other MatMul is left
             activation_products = op_counts(float_graph)["MatMul"] + op_counts(float_graph)["Gemm"] \
                 - _constant_matmuls(float_graph)
             assert op_counts(graph)["MatMul"] == activation_products == 0

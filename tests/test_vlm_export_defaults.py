@@ -23,7 +23,7 @@ from popcompile.frontend.models import load_model
 from popcompile.frontend.vision import ImageInputs
 from popcompile.kvfit.calibrate import load_fit
 from popcompile.kvfit.corpus import STDLIB_MODULES, encode, stdlib_texts
-from popcompile.kvfit.fit import builtin_batches, kv_fit
+from popcompile.kvfit.fit import builtin_batches, resolve_fit
 from popcompile.kvfit.images import CALIBRATION_SEED, ImageWindow, image_windows, layer_inputs
 from popcompile.runtime import open_session
 from popcompile.runtime.compare import TEXT_PROBES, engine_flop_bound, measure_speedups
@@ -63,8 +63,8 @@ def engine(folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fit(loaded, folder):
-    """The fit export makes (kvfit.fit.kv_fit, auto: the built-in image+text windows)."""
-    return kv_fit(loaded.model, loaded.tokenizer, CUT, "auto", folder=folder)
+    """The fit export makes (kvfit.fit.resolve_fit, auto: the built-in image+text windows)."""
+    return resolve_fit(loaded.model, loaded.tokenizer, CUT, "auto", folder=folder)
 
 
 def test_default_export_records_a_pop_plus_fit_and_a_measured_threshold(engine, fit):
@@ -205,7 +205,7 @@ def test_calibrate_command_on_a_vision_folder(loaded, folder, tmp_path, capsys):
     assert main(["calibrate", str(folder), "--out", str(out), *args]) == 0
     fit = load_fit(out)
     assert (fit.info.cut, fit.info.num_layers, fit.info.tokens) == (CUT, LAYERS, 1024)
-    assert kv_fit(loaded.model, loaded.tokenizer, CUT, out) is not None  # the shapes export checks
+    assert resolve_fit(loaded.model, loaded.tokenizer, CUT, out) is not None  # the shapes export checks
     capsys.readouterr()
     for args, message in ((["--method", "distill"], "distill (POP++) is not implemented for vision-language"),
                           (["--cut", "1"], "below qwen3_vl's deepstack layers")):

@@ -44,12 +44,12 @@ def export(loaded, out: Path, *, cut: int | None, kv_calibration: str | Path = "
 
 def calibrate(loaded, out: Path, *, cut: int, max_tokens: int) -> Path:
     """``popcompile calibrate MODEL --cut CUT --max-tokens N --out OUT``: the ridge fit on the built-in corpus
-    (kvfit.fit.kv_fit, the path calibrate and export share), saved as a calibration file."""
+    (kvfit.fit.resolve_fit, the path calibrate and export share), saved as a calibration file."""
     from popcompile.config import KVFitConfig
     from popcompile.kvfit.calibrate import save_fit
-    from popcompile.kvfit.fit import kv_fit
+    from popcompile.kvfit.fit import resolve_fit
 
-    fit = kv_fit(loaded.model, loaded.tokenizer, cut, "ridge", config=KVFitConfig(max_tokens=max_tokens))
+    fit = resolve_fit(loaded.model, loaded.tokenizer, cut, "ridge", config=KVFitConfig(max_tokens=max_tokens))
     save_fit(fit, out)
     return out
 

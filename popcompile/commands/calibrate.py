@@ -148,13 +148,14 @@ PHASES = {"teacher": ("win", "full model (ridge fit, distillation's inputs)"), "
 
 
 def fitted(model, batches: list, cut: int, config):
-    """(the fit, a note for the summary line), through ``kvfit.fit.fit_cut`` with progress bars: tokens for
-    ridge; for distill one bar per phase (the ridge fit's statistics come from the distillation's forward)."""
-    from ..kvfit.fit import fit_cut
+    """(the fit, a note for the summary line), through ``kvfit.fit.fit_on_tokens`` with progress bars:
+    tokens for ridge; for distill one bar per phase (the ridge fit's statistics come from the distillation's
+    forward)."""
+    from ..kvfit.fit import fit_on_tokens
 
     if config.method == "ridge":
         with _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
-            return fit_cut(model, batches, cut, config, progress=bar.update)[0], ""
+            return fit_on_tokens(model, batches, cut, config, progress=bar.update)[0], ""
     bars: dict = {}  # phase -> its bar, opened at the phase's first report
 
     def report(event) -> None:
@@ -167,7 +168,7 @@ def fitted(model, batches: list, cut: int, config):
         if event.loss is not None:
             bar.set_postfix(kl=f"{event.loss:.4f}", held_out=f"{event.held_out:.4f}", refresh=False)
     try:
-        fit, result = fit_cut(model, batches, cut, config, progress=report)
+        fit, result = fit_on_tokens(model, batches, cut, config, progress=report)
     finally:
         for bar in bars.values():
             bar.close()

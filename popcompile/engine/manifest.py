@@ -34,6 +34,12 @@ def format_version(vision: bool) -> int:
     return VISION_FORMAT_VERSION if vision else FORMAT_VERSION
 
 
+def is_engine_manifest(data: object) -> bool:
+    """The one rule for "this JSON is a popcompile engine's manifest": an object whose ``format`` is FORMAT
+    (its version is then checked by ``is_readable_version``)."""
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
 def is_readable_version(value: object) -> bool:
     """The one rule for a manifest's ``format_version``: one of READABLE_VERSIONS (an int, not a bool)."""
     return _is_int(value) and value in READABLE_VERSIONS
@@ -180,11 +186,11 @@ class EngineManifest:
     # Weight-only quantisation (config.WeightQuantization.to_manifest: format, op, bits, block_size, ...);
     # empty for float weights and in manifests written before engines could be quantised.
     quantization: dict = field(default_factory=dict)
-    # Attention lowered to onnxruntime's contrib ops (exporters/ort_attention.py: lowering, ops, and per graph
+    # Attention lowered to onnxruntime's contrib ops (ort_passes/attention.py: lowering, ops, and per graph
     # the layers in GroupQueryAttention / MultiHeadAttention / standard ops); empty: standard ONNX ops, which
     # any runtime takes (the tensorrt target's, and manifests written before attention was fused).
     # ``shared_kv``: the graphs whose present outputs are the whole buffer, written in place
-    # (exporters/ort_shared_kv.py, docs/kv.md).
+    # (ort_passes/shared_kv.py, docs/kv.md).
     attention: dict = field(default_factory=dict)
     # A vision-language engine's vision graph, image processing and image tokens (engine/vision.py); empty
     # for a text engine.
@@ -249,7 +255,7 @@ class EngineManifest:
         where = Path(folder) / MANIFEST
         if not isinstance(data, dict):
             raise EngineError(f"{where} holds a JSON {type(data).__name__}, not an object: {RE_EXPORT}")
-        if data.get("format") != FORMAT:
+        if not is_engine_manifest(data):
             raise EngineError(f"{folder}: not a popcompile engine (format {_short(data.get('format'))})")
         version = data.get("format_version")
         if not is_readable_version(version):
@@ -279,7 +285,7 @@ class EngineManifest:
 
     def shares_kv(self, graph: str) -> bool:
         """Whether ``graph``'s present outputs are its past with the new rows written after it (bound to the
-        buffer: written in place), not the new rows alone (exporters/ort_shared_kv.py)."""
+        buffer: written in place), not the new rows alone (ort_passes/shared_kv.py)."""
         return graph in self.attention.get("shared_kv", ())
 
     def expected_outputs(self, graph: str) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ folder is one (``export --force`` may replace it; ``run`` names ``vllm serve`` i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 CONFIG_KEY = "popcompile"
@@ -21,5 +22,10 @@ def is_vllm_folder(folder: str | Path) -> bool:
         config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    entry = config.get(CONFIG_KEY) if isinstance(config, dict) else None
-    return isinstance(entry, dict) and entry.get("format") == FORMAT
+    return is_readable_entry(config.get(CONFIG_KEY) if isinstance(config, dict) else None)
+
+
+def is_readable_entry(entry: object) -> bool:
+    """The one rule for the entry's version: a mapping whose ``format`` is FORMAT (the plugin reads no
+    other)."""
+    return isinstance(entry, Mapping) and entry.get("format") == FORMAT

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..engine.manifest import FORMAT, MANIFEST
+from ..engine.manifest import MANIFEST, is_engine_manifest
 from ..engine.vllm_folder import is_vllm_folder
 from ..errors import OutputError
 from ..fsutil import check_destination
@@ -23,7 +23,7 @@ def is_engine_folder(path: Path) -> bool:
         data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return is_vllm_folder(path)
-    return isinstance(data, dict) and data.get("format") == FORMAT
+    return is_engine_manifest(data)
 
 
 def check_output_folder(out_dir: Path, force: bool) -> None:

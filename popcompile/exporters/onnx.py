@@ -30,8 +30,8 @@ from ..engine.manifest import EngineManifest, GraphEntry, format_version, sha256
 from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
 from ..frontend.models import LoadedModel
 from ..frontend.vision import vision_record, vision_spec
+from ..ort_passes import ORT_PASSES, OrtContext
 from ..passes.prefill import GraphPair
-from .ort_passes import ORT_PASSES, OrtContext
 from .quantize import quantize_weights
 from .steps import ONNX_WRITE_STEPS, onnx_write_steps
 
@@ -110,7 +110,7 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: di
     """Both graphs, the shared weights, the tokenizer and HF config files into ``tmp``, through
     steps.ONNX_WRITE_STEPS (each reported to ``step``); returns their manifest (not written: the driver
     writes it once). ``attention`` as the target resolved it (OnnxTarget.lowering): fused, norms and
-    attention as onnxruntime's contrib ops (exporters/ort_passes.py), or standard. ``provenance``: the
+    attention as onnxruntime's contrib ops (ort_passes/__init__.py), or standard. ``provenance``: the
     manifest's ``extra`` (how the K/V weights and the cut were chosen)."""
     writing = _Writing(tmp, loaded, pair, quantization)
     vision = vision_spec(loaded.model.config) is not None
@@ -227,9 +227,9 @@ def _graph_entry(path: Path) -> GraphEntry:
 
 def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto,
                  pair: GraphPair) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
-    """Both graphs rewritten for onnxruntime's contrib ops by each of ``ORT_PASSES`` in turn (ort_passes.py:
-    what each does and why it sits where it does), and the manifest's ``attention`` entry from what they
-    record."""
+    """Both graphs rewritten for onnxruntime's contrib ops by each of ``ORT_PASSES`` in turn
+    (ort_passes/README.md: what each does and why it sits where it does), and the manifest's ``attention``
+    entry from what they record."""
     graphs, recorded = {"decode": decode, "prefill": prefill}, {}
     context = OrtContext(pair.num_layers, pair.layout)
     for ort_pass in ORT_PASSES:

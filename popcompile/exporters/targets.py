@@ -1,7 +1,7 @@
 """Export targets, registered by name: what ``compile(..., target=NAME)`` writes into the staged folder.
 
     "onnx"      prefill.onnx + decode.onnx over one weights.bin (exporters/onnx.py); runs on onnxruntime;
-                attention and norms fused into its contrib ops (exporters/ort_attention.py) unless
+                attention and norms fused into its contrib ops (ort_passes/attention.py) unless
                 ``OnnxTarget(attention="standard")``;
                 ``OnnxTarget(WeightQuantization("int4"))``: int8/int4 MatMulNBits weights
                 (exporters/quantize.py)
@@ -63,7 +63,7 @@ class Compiled:
 class OnnxTarget:
     """The ONNX engine folder (the default); ``weights``: float, or int8/int4 MatMulNBits
     (exporters/quantize.py); ``attention``: fused (onnxruntime's GroupQueryAttention and fused norms,
-    exporters/ort_attention.py), standard (plain ONNX ops, which other runtimes and ``build-trt`` take) or
+    ort_passes/attention.py), standard (plain ONNX ops, which other runtimes and ``build-trt`` take) or
     auto (the default: fused for float32 graphs, standard for float16 ones, where onnxscript's fusions leave
     norms of mixed types)."""
 

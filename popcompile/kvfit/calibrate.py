@@ -17,7 +17,7 @@ A batch is token ids [B, T] (the decoder's own forward) or, for a vision-languag
 ``images.ImageWindow`` (image+text windows through the text decoder, images.py); ``BATCH_KINDS`` says how each
 is run. ``X^T X`` and ``X^T Y`` are accumulated in float64 over batches, so memory is
 O(d^2) per layer whatever the corpus size; ``lam = ridge * mean(diag(X^T X))``. The prefill graph's
-deep k/v projections then read W' (``pop_pass(kv_weights=...)``): same nodes, same cost. k_norm and
+deep k/v projections then read W' (``pop_graphs(..., kv_weights)``): same nodes, same cost. k_norm and
 RoPE are untouched; the decode graph keeps the original weights.
 """
 from __future__ import annotations
@@ -113,17 +113,17 @@ def ridge_solve(xtx: torch.Tensor, xty: torch.Tensor, ridge: float, bias: bool) 
     return Projection(weight=w[:-1].T.float().contiguous(), bias=w[-1].float().contiguous())
 
 
-def fit_kv(
+def ridge_fit(
     model: torch.nn.Module, batches: Iterable[torch.Tensor], cut: int, *, ridge: float = KVFitConfig.ridge,
     bias: bool = DEFAULT_FIT_BIAS["ridge"], progress: Callable[[int], None] | None = None,
 ) -> KVFit:
     """Fit replacement k/v projections for layers ``cut+1..L-1`` on calibration batches (BATCH_KINDS: token
     ids [B, T], no padding, or a VLM's ImageWindows); a bias for every projection with ``bias``, else only
-    where the model's projection has one. ``fit_kv_cuts`` at one cut: one ridge solver (CutMoments)."""
+    where the model's projection has one. ``ridge_fits`` at one cut: one ridge solver (CutMoments)."""
     layers = len(model.get_decoder().layers)
     if not 1 <= cut < layers:
         raise ConfigError(f"cut={cut} prunes nothing to calibrate: use 1..{layers - 1}")
-    return fit_kv_cuts(model, batches, [cut], ridge=ridge, bias=bias, progress=progress)[cut]
+    return ridge_fits(model, batches, [cut], ridge=ridge, bias=bias, progress=progress)[cut]
 
 
 # --- every cut in one pass ------------------------------------------------------------------------
@@ -196,7 +196,7 @@ class _AllCutMoments:
 
 class CutMoments:
     """The ridge statistics of every cut in ``cuts`` (``_AllCutMoments``), accumulated from the full model's
-    hidden states: ``fit_kv_cuts`` feeds it forwards of its own, distill.py the forward it precomputes
+    hidden states: ``ridge_fits`` feeds it forwards of its own, distill.py the forward it precomputes
     anyway."""
 
     def __init__(self, model: torch.nn.Module, cuts: Iterable[int], *, ridge: float = KVFitConfig.ridge,
@@ -252,13 +252,13 @@ class CutMoments:
 
 
 @torch.no_grad()
-def fit_kv_cuts(
+def ridge_fits(
     model: torch.nn.Module, batches: Iterable[torch.Tensor], cuts: Iterable[int], *,
     ridge: float = KVFitConfig.ridge, bias: bool = DEFAULT_FIT_BIAS["ridge"],
     progress: Callable[[int], None] | None = None,
 ) -> dict[int, KVFit]:
-    """``{cut: fit_kv(model, batches, cut, bias=bias)}`` for every cut in one pass over the corpus (see
-    above); ``batches`` as fit_kv takes them."""
+    """``{cut: ridge_fit(model, batches, cut, bias=bias)}`` for every cut in one pass over the corpus (see
+    above); ``batches`` as ridge_fit takes them."""
     moments = CutMoments(model, cuts, ridge=ridge, bias=bias)
     for batch in batches:
         kind = batch_kind(batch)
@@ -370,31 +370,54 @@ def check_fit(fit: KVFit, cut: int, num_layers: int) -> None:
                          f"not cut {cut} of {num_layers}: re-run `popcompile calibrate --cut {cut}`")
 
 
-def check_fit_shapes(fit: KVFit, model: torch.nn.Module) -> None:
-    """InputError unless ``fit`` has, for every layer cut+1..L-1, k/v weights shaped like the model's and a
-    bias [out] wherever the model's projection has one (a fitted bias [out] where it has none is accepted
-    too)."""
+#: layer -> part (k_proj | v_proj) -> (weight shape, bias shape or None): what a fit's projections must match
+KVShapes = Mapping[int, Mapping[str, tuple]]
+
+
+def model_kv_shapes(model: torch.nn.Module, first: int) -> KVShapes:
+    """``KVShapes`` of the model's layers ``first``..L-1 (a graph's: passes.pop.kv_projection_shapes)."""
     spec, layers = arch_spec(model.config), model.get_decoder().layers
-    wanted = set(range(fit.info.cut + 1, len(layers)))
-    if set(fit.weights) != wanted:
-        raise InputError(f"KV calibration has layers {sorted(fit.weights)}, the model needs "
-                         f"{sorted(wanted)}: re-run `popcompile calibrate` for this model")
-    for index in sorted(wanted):
+    shapes = {}
+    for index in range(first, len(layers)):
         for part in PARTS:
-            proj, got = layers[index].get_submodule(getattr(spec, part)), fit.weights[index].get(part)
-            want_bias = ((proj.out_features,) if proj.bias is not None or (got and got.bias is not None)
-                         else None)
-            got_shapes = got and (tuple(got.weight.shape),
-                                  None if got.bias is None else tuple(got.bias.shape))
-            if got_shapes != (tuple(proj.weight.shape), want_bias):
+            proj = layers[index].get_submodule(getattr(spec, part))
+            shapes.setdefault(index, {})[part] = (tuple(proj.weight.shape),
+                                                  None if proj.bias is None else tuple(proj.bias.shape))
+    return shapes
+
+
+def check_fit_shapes(fit: KVFit, model: torch.nn.Module) -> None:
+    """``check_kv_shapes`` against the model's own projections."""
+    check_kv_shapes(fit, model_kv_shapes(model, fit.info.cut + 1))
+
+
+def check_kv_shapes(fit: KVFit, shapes: KVShapes) -> None:
+    """InputError unless ``fit`` has, for every layer of ``shapes`` (cut+1..L-1), k/v weights shaped like the
+    model's and a bias [out] wherever the model's projection has one (a fitted bias [out] where it has none is
+    accepted too). A shape the graph does not know (None) is not compared."""
+    if set(fit.weights) != set(shapes):
+        raise InputError(f"KV calibration has layers {sorted(fit.weights)}, the model needs "
+                         f"{sorted(shapes)}: re-run `popcompile calibrate` for this model")
+    for index in sorted(shapes):
+        for part in PARTS:
+            weight, bias = shapes[index][part]
+            got = fit.weights[index].get(part)
+            if weight is None or got is None:
+                if got is None:
+                    raise InputError(f"KV calibration layer {index} has no {part}: "
+                                     "re-run `popcompile calibrate` for this model")
+                continue
+            want_bias = (weight[0],) if bias is not None or got.bias is not None else None
+            got_shapes = (tuple(got.weight.shape), None if got.bias is None else tuple(got.bias.shape))
+            if got_shapes != (weight, want_bias):
                 raise InputError(f"KV calibration layer {index} {part}: shapes {got_shapes} do not match the "
-                                 f"model's {(tuple(proj.weight.shape), want_bias)}: "
-                                 "re-run `popcompile calibrate` for this model")
+                                 f"model's {(weight, want_bias)}: re-run `popcompile calibrate` for this "
+                                 "model")
 
 
-def read_fit(kv: KVCalibration) -> KVFit | None:
+def load_file_fit(kv: KVCalibration) -> KVFit | None:
     """The file's fit, read and checked for finite values before any model loads (None for the other modes;
-    distill.kv_fit makes or checks every mode's weights)."""
+    kvfit.fit.resolve_fit makes or checks every mode's weights)."""
     return load_fit(kv.path) if kv.mode == "file" else None
 
 

@@ -463,7 +463,7 @@ def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig 
 def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillConfig = DistillConfig(), *,
                        ridge: float = KVFitConfig.ridge, bias: bool = DEFAULT_FIT_BIAS["distill"],
                        progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
-    """``distill_kv`` from the ridge fit (calibrate.fit_kv_cuts) on the same windows [W, T], both from one
+    """``distill_kv`` from the ridge fit (calibrate.ridge_fits) on the same windows [W, T], both from one
     full-model pass: the ridge fit's statistics are taken from the forward the distillation precomputes
     (document targets: rows 0..T-2 of each window; greedy: the window and the greedy tokens but the last),
     which saves a full forward over the corpus. ``bias`` on by default: the

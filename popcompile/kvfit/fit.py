@@ -1,12 +1,12 @@
 """Every entry point's K/V weights, from one place.
 
-    kv_fit(model, tokenizer, cut, kv_calibration)     export (driver), eval, the vLLM target
-        none -> None (plain POP) | file -> file_fit, then checked against the model's shapes
+    resolve_fit(model, tokenizer, cut, kv_calibration)   export (driver), eval, the vLLM target
+        none -> None (plain POP) | file -> resolve_file_fit, then checked against the model's shapes
         ridge, distill -> fit_builtin | auto -> fit_method's: distill for a text model, ridge for a VLM
-    file_fit(kv_calibration, cut, num_layers)         kv_fit without a model: torch.compile (dynamo)
-    fit_builtin(model, tokenizer, cut, KVFitConfig)   the built-in corpus (builtin_batches) -> fit_cut
-    fit_cut(model, tokens, cut, KVFitConfig)          `popcompile calibrate` (its own text) and fit_builtin:
-        ridge   -> calibrate.fit_kv_cuts on [4, seq_len] batches (POP+); a vision-language model's are
+    resolve_file_fit(kv_calibration, cut, num_layers)   resolve_fit without a model: torch.compile (dynamo)
+    fit_builtin(model, tokenizer, cut, KVFitConfig)     the built-in corpus (builtin_batches) -> fit_on_tokens
+    fit_on_tokens(model, tokens, cut, KVFitConfig)      `popcompile calibrate` (its own text) and fit_builtin:
+        ridge   -> calibrate.ridge_fits on [4, seq_len] batches (POP+); a vision-language model's are
                    image+text windows (images.py: a synthetic image, then the text)
         distill -> distill.ridge_then_distill on [W, T] windows (POP++: the ridge fit, then trained; text
                    models only: a VLM is refused, ``check_method``)
@@ -25,16 +25,16 @@ import torch
 from ..config import FIT_METHODS, KVCalibration, KVFitConfig
 from ..errors import ConfigError
 from ..frontend.vision import is_vision_language
-from .calibrate import KVFit, check_fit, check_fit_shapes, default_batches, fit_kv_cuts, load_fit
+from .calibrate import KVFit, check_fit, check_fit_shapes, default_batches, load_fit, ridge_fits
 from .corpus import calibration_docs
 from .distill import DistillResult, default_windows, ridge_then_distill
 from .images import ImageWindow, image_windows
 
-#: the step ``kv_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
+#: the step ``resolve_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
 DISTILL_STEP = "distill"
 
 
-def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
+def resolve_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
            fit: KVFit | None = None, *, config: KVFitConfig | None = None,
            step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit | None:
     """The K/V weights ``kv`` asks for at ``cut``, for every entry point (export, torch.compile, eval).
@@ -43,7 +43,7 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
     vision-language model's windows are image+text, ``folder`` its model folder with the
     preprocessor_config.json). distill: a ridge fit distilled on the built-in prompts (minutes;
     ``step("distill")`` is reported before it starts; text models only). auto: ``fit_method``'s. file: the
-    fit read from it (or ``fit``, read earlier by ``read_fit``), checked against ``cut`` and the model's
+    fit read from it (or ``fit``, read earlier by ``load_file_fit``), checked against ``cut`` and the model's
     shapes. None as well when ``cut`` prunes nothing. ``config``: how the built-in fits are made (default
     KVFitConfig(); its method is the mode's)."""
     kv = KVCalibration.of(kv)
@@ -52,20 +52,20 @@ def kv_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str 
         method = fit_method(model, kv)
         return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step,
                            folder=folder)
-    fit = file_fit(kv, cut, layers, fit)
+    fit = resolve_file_fit(kv, cut, layers, fit)
     if fit is not None:
         check_fit_shapes(fit, model)
     return fit
 
 
-def file_fit(kv: KVCalibration, cut: int, num_layers: int, fit: KVFit | None = None) -> KVFit | None:
-    """``kv_fit`` where no model is at hand (the torch.compile backend sees graphs only): None for none and
-    for a cut that prunes nothing; a file's fit (``fit`` when read already) checked against ``cut``. The
+def resolve_file_fit(kv: KVCalibration, cut: int, num_layers: int, fit: KVFit | None = None) -> KVFit | None:
+    """``resolve_fit`` where no model is at hand (the torch.compile backend sees graphs only): None for none
+    and for a cut that prunes nothing; a file's fit (``fit`` when read already) checked against ``cut``. The
     modes fitted at compile time need the model: ConfigError."""
     if kv.mode == "none" or cut == num_layers:
         return None
     if kv.fits_now:
-        raise ConfigError(f"kv_calibration={kv.mode!r} fits on the model: call kv_fit with it")
+        raise ConfigError(f"kv_calibration={kv.mode!r} fits on the model: call resolve_fit with it")
     fit = fit or load_fit(kv.path)
     check_fit(fit, cut, num_layers)
     return fit
@@ -84,19 +84,19 @@ def fit_method(model: torch.nn.Module, kv: KVCalibration | str) -> str | None:
 
 def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig, *,
                 step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit:
-    """``fit_cut`` on the built-in calibration corpus (``builtin_batches``). Distill at cut L-1 leaves no
-    layer to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
+    """``fit_on_tokens`` on the built-in calibration corpus (``builtin_batches``). Distill at cut L-1 leaves
+    no layer to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
     check_method(model, config)
     if config.method == "distill" and cut >= model.config.get_text_config().num_hidden_layers - 1:
         config = replace(config, method="ridge")
     if config.method == "distill":
         (step or (lambda name: None))(DISTILL_STEP)
-    return fit_cut(model, builtin_batches(model, tokenizer, config, folder), cut, config)[0]
+    return fit_on_tokens(model, builtin_batches(model, tokenizer, config, folder), cut, config)[0]
 
 
 def builtin_batches(model: torch.nn.Module, tokenizer, config: KVFitConfig,
                     folder: str | Path | None = None) -> list[torch.Tensor | ImageWindow] | torch.Tensor:
-    """What ``fit_cut`` fits ``model`` on by default: ``builtin_tokens``, or for a vision-language model
+    """What ``fit_on_tokens`` fits ``model`` on by default: ``builtin_tokens``, or for a vision-language model
     [4, seq_len] image+text windows of the same corpus (images.image_windows; ``folder``: the model folder,
     whose preprocessor_config.json sizes the images)."""
     if not is_vision_language(model):
@@ -106,7 +106,7 @@ def builtin_batches(model: torch.nn.Module, tokenizer, config: KVFitConfig,
 
 
 def builtin_tokens(tokenizer, config: KVFitConfig) -> list[torch.Tensor] | torch.Tensor:
-    """The built-in corpus (corpus.py, disjoint from the evaluation's text) as ``fit_cut`` takes it:
+    """The built-in corpus (corpus.py, disjoint from the evaluation's text) as ``fit_on_tokens`` takes it:
     [4, seq_len] batches for ridge, windows for distill (distill.default_windows: ``config.distill.windows``
     prompts of seq_len tokens for greedy targets)."""
     if config.method == "distill":
@@ -115,7 +115,7 @@ def builtin_tokens(tokenizer, config: KVFitConfig) -> list[torch.Tensor] | torch
     return default_batches(tokenizer, seq_len=config.seq_len, max_tokens=config.max_tokens)
 
 
-def fit_cut(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, cut: int,
+def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, cut: int,
             config: KVFitConfig, *, progress: Callable | None = None) -> tuple[KVFit, DistillResult | None]:
     """(the fit at ``cut``, the distillation's record or None) from token ids: batches [B, T] for ridge (a
     list; ``progress(tokens done)``), windows [W, T] for distill (a tensor or a list of batches, stacked;
@@ -128,7 +128,7 @@ def fit_cut(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, c
                                     bias=config.fits_bias, progress=progress)
         return result.fit, result
     with torch.no_grad():
-        fits = fit_kv_cuts(model, tokens, [cut], ridge=config.ridge, bias=config.fits_bias, progress=progress)
+        fits = ridge_fits(model, tokens, [cut], ridge=config.ridge, bias=config.fits_bias, progress=progress)
     return fits[cut], None
 
 

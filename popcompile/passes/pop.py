@@ -88,13 +88,36 @@ def rewire_deep_layers(layers: list, cut: int, source: Callable[[Layer], fx.Node
             node.replace_input_with(layer.input, source(layer))
 
 
-def _replace_projection(gm: fx.GraphModule, layer, name: str, projection: Projection) -> None:
-    """Point the layer's ``<name>`` linear node at new weight (and bias) attributes of ``gm``."""
+def _projection_node(layer, name: str) -> fx.Node:
+    """The layer's one linear node of ``self_attn.<name>`` (``name``: k_proj | v_proj)."""
     linears = [n for n in layer.nodes if n.target in LINEAR and module_path(n).endswith(f"self_attn.{name}")]
     if len(linears) != 1:
         raise ValueError(f"layer {layer.index}: expected one linear node in self_attn.{name}, "
                          f"found {len(linears)}")
-    node = linears[0]
+    return linears[0]
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    """A weight's static shape from its node's metadata (torch.export: val, dynamo: example_value)."""
+    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, fx.Node) else None
+    return None if value is None else tuple(int(d) for d in value.shape)
+
+
+def kv_projection_shapes(graph: fx.Graph, first: int, parts: tuple[str, ...] = ("k_proj", "v_proj")) -> dict:
+    """layer -> part -> (weight shape, bias shape or None) of the k/v projections of layers ``first``..L-1,
+    read from the graph (what a K/V fit must match where no model is at hand: torch.compile)."""
+    shapes = {}
+    for layer in find_layers(graph)[first:]:
+        for part in parts:
+            node = _projection_node(layer, part)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            shapes.setdefault(layer.index, {})[part] = (_shape(node.args[1]), _shape(bias))
+    return shapes
+
+
+def _replace_projection(gm: fx.GraphModule, layer, name: str, projection: Projection) -> None:
+    """Point the layer's ``<name>`` linear node at new weight (and bias) attributes of ``gm``."""
+    node = _projection_node(layer, name)
     old_weight = node.args[1].meta.get("val")
     if old_weight is not None and tuple(old_weight.shape) != tuple(projection.weight.shape):
         raise ValueError(f"layer {layer.index} {name}: weight shape {tuple(projection.weight.shape)} != "

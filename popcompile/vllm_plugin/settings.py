@@ -14,9 +14,9 @@ importable without vLLM (the exporter and the tests use it); the hook runs insid
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
-from ..engine.vllm_folder import CONFIG_KEY, FORMAT
+from ..engine.vllm_folder import CONFIG_KEY, FORMAT, is_readable_entry
 from ..errors import ConfigError, EnvironmentUnavailable, ModelError
 from ..threshold import is_token_count
 
@@ -59,7 +59,7 @@ class PopSettings:
     @classmethod
     def of(cls, hf_config: Any) -> PopSettings:
         entry = getattr(hf_config, CONFIG_KEY, None)
-        if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
+        if not is_readable_entry(entry):
             raise ModelError(f"config.json has no readable {CONFIG_KEY!r} entry of format {FORMAT} "
                              f"({entry!r}): make the folder with `popcompile export MODEL --target vllm`")
         return cls(cut=entry.get("cut"), num_layers=hf_config.num_hidden_layers,

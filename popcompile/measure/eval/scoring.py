@@ -34,7 +34,7 @@ from . import data as eval_data
 @dataclass(frozen=True)
 class VariantContext:
     """What a variant factory may use: the cut, the depth, and (lazily) K/V weights for that cut, from
-    ``kv_fit`` (POP+, ridge) or ``distill_fit`` (POP++): cut -> {layer: {"k_proj"|"v_proj": Projection}};
+    ``resolve_fit`` (POP+, ridge) or ``distill_fit`` (POP++): cut -> {layer: {"k_proj"|"v_proj": Projection}};
     and from ``baseline_fit`` a baseline's weight transform: "wanda"|"slicegpt" ->
     {"module.param": tensor}."""
 
@@ -112,9 +112,9 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
     windows, ``kvfit.fit.builtin_batches``).
 
     Lazy: the first call fits its cut and every cut in ``cuts`` in one pass over the corpus
-    (``calibrate.fit_kv_cuts``); later calls for those cuts are free."""
+    (``calibrate.ridge_fits``); later calls for those cuts are free."""
     from ...config import KVFitConfig
-    from ...kvfit.calibrate import fit_kv_cuts
+    from ...kvfit.calibrate import ridge_fits
     from ...kvfit.fit import builtin_batches
 
     config, layers = KVFitConfig(), num_layers(loaded.model)
@@ -127,7 +127,7 @@ def default_kv_fit(loaded, cuts: Iterable[int] = ()) -> Callable[[int], Any]:
             batches = builtin_batches(loaded.model, loaded.tokenizer, config, folder)
             with torch.no_grad(), _bar(sum(b.numel() for b in batches),
                                        f"calibrate {len(wanted)} cut(s)") as bar:
-                found = fit_kv_cuts(loaded.model, batches, wanted, ridge=config.ridge, bias=config.fits_bias,
+                found = ridge_fits(loaded.model, batches, wanted, ridge=config.ridge, bias=config.fits_bias,
                                     progress=bar.update)
             fits.update({c: f.weights for c, f in found.items()})
         return fits[cut]
@@ -184,13 +184,13 @@ def default_baseline_fit(loaded, options: Any = None) -> Callable[[str], Any]:
 
 
 def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
-    """cut -> POP++ weights as ``export --kv-calibration distill`` makes them (``kvfit.fit.fit_cut``, method
-    distill: the ridge fit with a bias and its distillation from one full-model pass), with ``config`` (a
-    config.DistillConfig, default its defaults; tests give few steps), on the built-in corpus's windows
+    """cut -> POP++ weights as ``export --kv-calibration distill`` makes them (``kvfit.fit.fit_on_tokens``,
+    method distill: the ridge fit with a bias and its distillation from one full-model pass), with ``config``
+    (a config.DistillConfig, default its defaults; tests give few steps), on the built-in corpus's windows
     (``kvfit.fit.builtin_tokens``: 512 prompt + 48 scored tokens, disjoint from the evaluation data).
     Lazy, one run per cut; the corpus is tokenized once."""
     from ...config import DistillConfig, KVFitConfig
-    from ...kvfit.fit import builtin_tokens, fit_cut
+    from ...kvfit.fit import builtin_tokens, fit_on_tokens
 
     fit_config = KVFitConfig(method="distill", distill=DistillConfig() if config is None else config)
     fits: dict[int, Any] = {}
@@ -203,7 +203,8 @@ def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
                 def report(event) -> None:  # the training steps; the teacher pass over the windows is short
                     if event.phase == "train":
                         bar.update(event.done - bar.n)
-                fits[cut] = fit_cut(loaded.model, windows[0], cut, fit_config, progress=report)[0].weights
+                fitted, _ = fit_on_tokens(loaded.model, windows[0], cut, fit_config, progress=report)
+                fits[cut] = fitted.weights
         return fits[cut]
     return fit
 

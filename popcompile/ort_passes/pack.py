@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .ort_graph import drop_dead, readers
+from .graph import drop_dead, readers
 
 _PREFIX = "pop_pack"
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)

@@ -6,14 +6,14 @@
 MatMulNBits) and builds the manifest's ``attention`` entry from what they record. Each pass has one
 signature, ``run(graphs, context) -> dict``: it rewrites ``graphs`` in place (or replaces an entry: the
 attention lowering consumes its input) and returns the entries it records for the manifest. The full graph
-pictures are in each pass's module; the helpers they share in ort_graph.py.
+pictures are in each pass's module; the helpers they share in ort_passes/graph.py.
 
     pass        graphs        records      module
-    attention   each          layers       ort_attention.lower_for_ort
-    shared_kv   decode        shared_kv    ort_shared_kv.share_kv_buffer
-    rotary      each          rotary       ort_rotary.fuse_rotary
-    pack        both at once  packed       ort_pack.pack_projections
-    views       each          -            ort_views.drop_round_trip_views
+    attention   each          layers       attention.lower_for_ort
+    shared_kv   decode        shared_kv    shared_kv.share_kv_buffer
+    rotary      each          rotary       rotary.fuse_rotary
+    pack        both at once  packed       pack.pack_projections
+    views       each          -            views.drop_round_trip_views
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from typing import Callable
 import onnx
 
 from ..engine.kv import KVLayout
-from .ort_attention import lower_for_ort
-from .ort_pack import pack_projections
-from .ort_rotary import fuse_rotary
-from .ort_shared_kv import share_kv_buffer
-from .ort_views import drop_round_trip_views
+from .attention import lower_for_ort
+from .pack import pack_projections
+from .rotary import fuse_rotary
+from .shared_kv import share_kv_buffer
+from .views import drop_round_trip_views
 
 #: graph name ("decode", "prefill") -> its ONNX model, rewritten in place
 Graphs = dict[str, onnx.ModelProto]

@@ -20,7 +20,7 @@ reads the past and the new rows per KV head (no repeat per query head, no transp
 The mask stays the graph's own additive bias (padding, causality, Gemma 3's sliding windows), so GQA's
 causal rule only repeats it. The KV contract is unchanged: ``present.i.key`` (the new rows) is still the
 output and the past still an input. GQA also writes its own concatenated present, unused here (one copy of
-the past per step): ``ort_shared_kv`` then makes the decode graph's presents GQA's, bound to the buffer
+the past per step): ``shared_kv`` then makes the decode graph's presents GQA's, bound to the buffer
 itself. A layer whose query has fewer tokens than its new K/V (the prefill graph's pruned layers: only the
 last token attends over all N) keeps MultiHeadAttention, which takes unequal lengths; a layer no fusion
 matched keeps standard ops.
@@ -35,7 +35,7 @@ from collections import Counter
 import onnx
 from onnx import TensorProto, helper
 
-from .ort_graph import declared_shapes, drop_dead, producers
+from .graph import declared_shapes, drop_dead, producers
 
 GQA, MHA = "GroupQueryAttention", "MultiHeadAttention"
 _MS = "com.microsoft"

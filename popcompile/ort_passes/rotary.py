@@ -1,6 +1,6 @@
 """Rotary position embedding as onnxruntime's ``com.microsoft.RotaryEmbedding``, on the tokens'
-``[B, S, H*D]`` rows: an ONNX-level rewrite of the fused graphs (after ``ort_attention`` and
-``ort_shared_kv``; onnxscript's own RoPE fusion needs a cos/sin cache pattern the exporter's graphs do not
+``[B, S, H*D]`` rows: an ONNX-level rewrite of the fused graphs (after ``attention`` and
+``shared_kv``; onnxscript's own RoPE fusion needs a cos/sin cache pattern the exporter's graphs do not
 have, so RoPE stays in 7 standard ops per query and key, each a node onnxruntime dispatches every decode
 step).
 
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .ort_graph import declared_shapes, drop_dead, producers, readers, topological_sort, transpose_perm
+from .graph import declared_shapes, drop_dead, producers, readers, topological_sort, transpose_perm
 
 _PREFIX = "pop_rope"
 _BSNH = [0, 2, 1, 3]

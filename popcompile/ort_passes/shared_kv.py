@@ -25,8 +25,8 @@ import onnx
 from onnx import helper
 
 from ..engine.kv import KVLayout
-from .ort_attention import GQA
-from .ort_graph import rename_tensor
+from .attention import GQA
+from .graph import rename_tensor
 
 _PREFIX = "pop_shared_kv"
 #: the present rows' dimension in the declared outputs: max(rows bound as the past, past + new tokens)

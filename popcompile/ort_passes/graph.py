@@ -1,4 +1,4 @@
-"""What the ONNX-level rewrites (exporters/ort_*.py, in the order of ort_passes.ORT_PASSES) read and edit in a
+"""What the ONNX-level rewrites (ort_passes/, in the order of ort_passes.ORT_PASSES) read and edit in a
 graph: who produces and who reads a tensor, a Transpose's permutation, renaming a tensor or pointing its
 readers elsewhere, the nodes in topological order, and the nodes no output needs removed.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import onnx
 
-from .ort_graph import drop_dead, producers, redirect_readers, transpose_perm
+from .graph import drop_dead, producers, redirect_readers, transpose_perm
 
 _VIEWS = ("Reshape", "Identity")
 _LIGHT_BYTES = 1 << 12  # initializers kept with their values for shape inference (shape constants)
