@@ -6,6 +6,7 @@
       ModelError               a model that cannot be found, read or is not supported
         ModelNotFoundError     the name or path resolves to nothing
         UnsupportedModelError  it loads, but its architecture is not in arch.py
+        ModelDownloadError     a hub id that cannot be downloaded now (gated, no network, disk full)
       EngineError              an engine folder a runtime cannot use (manifest, files, graphs, tokenizer)
       OutputError              a destination that cannot be written without losing something
       EnvironmentUnavailable   this machine lacks what the request needs (a GPU, a package)
@@ -39,6 +40,10 @@ class ModelNotFoundError(ModelError):
 
 class UnsupportedModelError(ModelError):
     """The model exists but its architecture is not one popcompile supports."""
+
+
+class ModelDownloadError(ModelError):
+    """A Hugging Face hub id that cannot be downloaded now: gated, no network, no room in the cache."""
 
 
 class EngineError(PopcompileError, ValueError):

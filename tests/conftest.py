@@ -7,15 +7,22 @@
 - ``cli(*args)``: ``popcompile ARGS`` run in-process through ``popcompile.cli.main``, as a CompletedProcess
   (subprocesses only where the process boundary itself is tested: signals, the installed script, a venv).
 - The worker count is chosen here (``pytest_xdist_auto_num_workers``; pyproject says ``-n auto``).
+- No test reaches the real Hugging Face hub: ``HF_HUB_OFFLINE=1`` for the run and its subprocesses (a hub id
+  resolves from the cache only); test_hub.py serves a hub of its own on 127.0.0.1 and goes online there.
 """
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is imported, which is after this
+if "huggingface_hub.constants" in sys.modules:
+    sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py, tiny_engine.py, engine_cache.py
 

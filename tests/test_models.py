@@ -81,7 +81,15 @@ def test_folder_without_config(tmp_path: Path) -> None:
         resolve_source(str(tmp_path))
 
 
-def test_unknown_name_suggests_shipped() -> None:
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HUB_OFFLINE=1 as huggingface_hub read it (downloads of hub ids: tests/test_hub.py)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_unknown_name_suggests_shipped(offline) -> None:
     with pytest.raises(ModelNotFoundError) as info:
         resolve_source("smollm2")
     message = str(info.value)
@@ -89,8 +97,8 @@ def test_unknown_name_suggests_shipped() -> None:
     assert "local cache" in message
 
 
-def test_unknown_hub_id_is_not_downloaded() -> None:
-    with pytest.raises(ModelNotFoundError, match="no network"):
+def test_unknown_hub_id_offline_is_not_downloaded(offline) -> None:
+    with pytest.raises(ModelNotFoundError, match="no network: HF_HUB_OFFLINE is set"):
         resolve_source("popcompile-test/does-not-exist")
 
 

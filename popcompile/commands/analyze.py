@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import OutputError
 from ..fsutil import check_destination
-from .common import add_corpus_options, precheck_model, quiet_libraries, user_sources
+from .common import add_corpus_options, add_model_argument, precheck_model, quiet_libraries, user_sources
 
 CONFIG_OPTIONS = ("samples", "context_len", "gen_len", "batch_size", "budget")
 
@@ -22,7 +22,7 @@ def register(sub) -> None:
                                    "each gate by E[(dL/dg)^2] on real text; write a table, analyze.json and "
                                    "analyze.png, and recommend a cut. A vision-language model (Qwen3-VL) is "
                                    "scored on image+text prompts: a synthetic image before each text.")
-    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file or a HF folder")
+    add_model_argument(p)
     p.add_argument("--out", required=True, type=Path,
                    help="folder for analyze.json and analyze.png (created)")
     p.add_argument("--samples", type=int, help="sequences to score (default 32)")
@@ -69,7 +69,7 @@ def cmd_analyze(args) -> None:
     precheck_model(args.model)
     sources = user_sources(args)
     quiet_libraries()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, revision=args.revision)
     with tqdm(desc="analyze", unit="seq", file=sys.stderr, disable=None) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total

@@ -12,6 +12,7 @@ from ..fsutil import check_destination
 from .common import (
     add_corpus_options,
     add_cut_options,
+    add_model_argument,
     check_range,
     precheck_model,
     quiet_libraries,
@@ -27,7 +28,7 @@ def register(sub) -> None:
                        description="Ridge-fit, for every pruned layer, k/v projections that map "
                                    "input_norm(h_cut) to the K/V the full model makes; write them as "
                                    "safetensors + JSON.")
-    p.add_argument("model", help="shipped name, a .gguf file or a HF folder")
+    add_model_argument(p)
     p.add_argument("--out", required=True, type=Path,
                    help="output .safetensors file (the fit's details are in its metadata; nothing else is "
                         "written)")
@@ -76,7 +77,7 @@ def cmd_calibrate(args) -> None:
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, revision=args.revision)
     layers = loaded.model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder's
     cut = resolve_cut(layers, cut=args.cut, prune_ratio=args.prune_ratio)
     check_cut(cut, layers)  # before minutes of fitting

@@ -27,6 +27,19 @@ def require_extras(command: str) -> None:
                 f"pip install 'popcompile[{extra}]' (this install runs engine folders only)")
 
 
+MODEL_HELP = ("shipped name (smollm2-135m, gemma3-270m), a .gguf file, a Hugging Face folder, or a hub id "
+              "ORG/NAME (its config, weights and tokenizer downloaded into the Hugging Face cache; "
+              "HF_HUB_OFFLINE=1: the cache only)")
+
+
+def add_model_argument(parser, *, also: str = "") -> None:
+    """MODEL (``also``: what else the command takes) and --revision, for every command that loads a model."""
+    parser.add_argument("model", help=MODEL_HELP + also)
+    parser.add_argument("--revision", metavar="REV",
+                        help="with a hub id: the branch, tag or commit to download (default: the repo's main "
+                             "branch); the manifest records the commit")
+
+
 def add_cut_options(parser, *, allow_auto: bool = False) -> None:
     cut = parser.add_mutually_exclusive_group()
     if allow_auto:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..measure.eval.config import PROMPT_FORMATS, check_output_folder
-from .common import add_cut_options, quiet_libraries
+from .common import add_cut_options, add_model_argument, quiet_libraries
 
 
 def register(sub) -> None:
@@ -19,8 +19,7 @@ def register(sub) -> None:
                     "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine "
                     "itself with onnxruntime: full (the decode graph on the whole prompt) and pop (its "
                     "prefill graph at the exported cut); the ablations, --cut and --sweep need the model.")
-    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder, "
-                                 "or an engine folder from `popcompile export`")
+    add_model_argument(p, also=", or an engine folder from `popcompile export`")
     p.add_argument("--tasks", help="comma list of continuation, generation, greedy, humaneval, chat "
                                    "(default: continuation,generation; none with --sweep; greedy: the first "
                                    "generated token and the matched prefix vs full on 118 held-out prompts, "
@@ -75,7 +74,8 @@ def config_from_args(args):
         batch_size=args.batch_size,
         sweep=args.sweep,
         min_agreement=args.min_agreement, allow_code_exec=args.allow_code_exec, timeout=args.timeout,
-        code_prompt=args.code_prompt, provider=args.provider, threads=args.threads, force=args.force)
+        code_prompt=args.code_prompt, provider=args.provider, threads=args.threads, force=args.force,
+        revision=args.revision)
 
 
 def cmd_eval(args) -> None:

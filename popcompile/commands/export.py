@@ -11,7 +11,14 @@ from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
 from ..threshold import DEFAULT_MIN_SPEEDUP, FIXED_MIN_PROMPT_TOKENS
 from . import build_trt
-from .common import CliError, add_cut_options, check_range, precheck_model, quiet_libraries
+from .common import (
+    CliError,
+    add_cut_options,
+    add_model_argument,
+    check_range,
+    precheck_model,
+    quiet_libraries,
+)
 from .info import summary
 
 
@@ -19,8 +26,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="capture a model, apply POP and write an engine folder",
                        description="Capture MODEL, derive the POP prefill graph and write both graphs, "
                                    "the manifest and the tokenizer into --out.")
-    p.add_argument("model", help="shipped name (smollm2-135m, gemma3-270m), a .gguf file, a HF folder or a "
-                                 "HF id already in the local cache")
+    add_model_argument(p)
     p.add_argument("--out", required=True, type=Path, help="engine folder to create (must not exist)")
     add_cut_options(p, allow_auto=True)
     p.add_argument("--min-agreement", type=float,
@@ -162,7 +168,7 @@ def _compile(args, config, target):
     from ..frontend.models import load_model
 
     quiet_libraries()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, revision=args.revision)
     if args.cut == "auto":
         from ..measure.autocut import choose_cut, describe
 

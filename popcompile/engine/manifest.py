@@ -162,7 +162,7 @@ _MANIFEST_FIELDS = {
 
 @dataclass(frozen=True)
 class EngineManifest:
-    model: dict                # name, kind, path, sha256, model_type
+    model: dict                # name, kind, path, sha256, model_type; a hub id: revision (commit)
     num_layers: int
     cut: int
     kv_layout: KVLayout

@@ -206,7 +206,8 @@ def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes:
     source = loaded.source
     return EngineManifest(
         model={"name": source.name, "kind": source.kind, "path": source.path, "sha256": source.sha256,
-               "model_type": loaded.model.config.model_type},
+               "model_type": loaded.model.config.model_type,
+               **({"revision": source.revision} if getattr(source, "revision", None) else {})},
         num_layers=pair.num_layers, cut=pair.cut, kv_layout=pair.layout, graphs=graphs,
         weights={"file": WEIGHTS, "bytes": weights_bytes, "sha256": sha256_file(folder / WEIGHTS)},
         dtype=pair.layout.dtype,

@@ -1,8 +1,9 @@
 """Find and load the causal language models that popcompile compiles.
 
 A model is named by a shipped name (``smollm2-135m``), a ``.gguf`` file, a local
-Hugging Face folder, or a Hugging Face hub id that is already in the local cache.
-GGUF files are de-quantised by transformers, which takes 20-75 s, so each one is
+Hugging Face folder, or a Hugging Face hub id (``ORG/NAME``, at a ``revision``): the files
+loading reads are downloaded into the Hugging Face cache (hub.py; ``HF_HUB_OFFLINE=1``: the
+cache only). GGUF files are de-quantised by transformers, which takes 20-75 s, so each one is
 converted once into a float32 safetensors folder under the cache directory and
 every later load reads that folder.
 """
@@ -28,9 +29,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..errors import ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
+from ..errors import ConfigError, ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
 from .arch import DECODER_TYPES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
+from .hub import fetch
 from .vision import VISION_LANGUAGE, vision_spec
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class ModelSource:
     kind: str  # "shipped" | "gguf" | "folder" | "hub"
     path: str  # resolved GGUF file or model folder
     sha256: str | None  # of the GGUF file (shipped/gguf); None for folders
+    revision: str | None = None  # hub: the commit the folder holds (what --revision resolved to)
 
 
 @dataclass(frozen=True)
@@ -112,20 +115,25 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "popcompile" / "models"
 
 
-def resolve_source(name_or_path: str, *, cache_dir: str | os.PathLike | None = None) -> ModelSource:
+def resolve_source(name_or_path: str, *, cache_dir: str | os.PathLike | None = None,
+                   revision: str | None = None) -> ModelSource:
     """Resolve a model name or path to a validated ``ModelSource`` without loading weights.
 
-    ``cache_dir`` is only used by shipped models that must be assembled from chunks.
+    ``cache_dir`` is only used by shipped models that must be assembled from chunks. A hub id is downloaded
+    here (the files loading reads, at ``revision``: a branch, tag or commit; default its main branch).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = Path(name_or_path).expanduser()
     if name_or_path in SHIPPED:
+        _no_revision(revision, name_or_path, "a shipped model")
         gguf = _shipped_gguf(name_or_path, cache)
         return ModelSource(name_or_path, "shipped", str(gguf), _cached_sha256(gguf, cache))
-    path = Path(name_or_path).expanduser()
     if path.is_file():
+        _no_revision(revision, name_or_path, "a file")
         _check_gguf_file(path)
         return ModelSource(name_or_path, "gguf", str(path.resolve()), _cached_sha256(path, cache))
     if path.is_dir():
+        _no_revision(revision, name_or_path, "a local folder")
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
                 f"folder {str(path.resolve())!r} has no config.json; pass a Hugging Face model "
@@ -133,7 +141,13 @@ def resolve_source(name_or_path: str, *, cache_dir: str | os.PathLike | None = N
             )
         _check_supported(_read_config(path), name_or_path)
         return ModelSource(name_or_path, "folder", str(path.resolve()), None)
-    return _resolve_hub(name_or_path, path)
+    return _resolve_hub(name_or_path, path, revision)
+
+
+def _no_revision(revision: str | None, name: str, kind: str) -> None:
+    if revision is not None:
+        raise ConfigError(f"--revision {revision} (revision={revision!r}) picks a commit of a Hugging Face "
+                          f"hub id; {name!r} is {kind}: drop --revision")
 
 
 def load_model(
@@ -141,13 +155,15 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer in eval mode with SDPA attention.
 
-    GGUF sources are converted once into ``<cache_dir>/<stem>-<sha256[:12]>/``.
+    GGUF sources are converted once into ``<cache_dir>/<stem>-<sha256[:12]>/``; a hub id is downloaded into
+    the Hugging Face cache at ``revision`` (``resolve_source``).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    source = resolve_source(name_or_path, cache_dir=cache)
+    source = resolve_source(name_or_path, cache_dir=cache, revision=revision)
     folder = Path(source.path)
     if source.kind in ("shipped", "gguf"):
         folder = _ensure_converted(folder, source.sha256, cache)
@@ -240,25 +256,21 @@ def _check_gguf_file(path: Path) -> None:
         )
 
 
-def _resolve_hub(name: str, path: Path) -> ModelSource:
-    """Resolve ``name`` as a hub id from the local HF cache only, or explain every attempt."""
+def _resolve_hub(name: str, path: Path, revision: str | None) -> ModelSource:
+    """Resolve ``name`` as a hub id: download what loading reads (HF_HUB_OFFLINE=1: find it in the cache), or
+    explain every attempt."""
     tried = f"tried: shipped names ({', '.join(SHIPPED)}); path {str(path.absolute())!r}"
     # The id pattern rejects absolute, relative and home paths; a .gguf name is a missing file.
     if name.endswith(".gguf") or not _HUB_ID.match(name):
         raise ModelNotFoundError(f"no such file or folder {name!r} ({tried}){_suggest(name)}")
-    from huggingface_hub import snapshot_download  # transformers dependency; only needed here
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:
-        folder = Path(snapshot_download(name, local_files_only=True))
-    except LocalEntryNotFoundError as err:
-        raise ModelNotFoundError(
-            f"model {name!r} was not found ({tried}; Hugging Face hub id in the local cache only, "
-            f"no network). Fix: download it where there is network "
-            f"(huggingface-cli download {name}) or pass a local folder / .gguf path{_suggest(name)}"
-        ) from err
-    _check_supported(_read_config(folder, local_files_only=True), name)
-    return ModelSource(name, "hub", str(folder), None)
+    def inspect(folder: Path) -> bool:  # config.json only, before any weights: refuse, or need a processor?
+        config = _read_config(folder, local_files_only=True)
+        _check_supported(config, name)
+        return vision_spec(config) is not None
+
+    folder, commit = fetch(name, revision, inspect, tried=tried, hint=_suggest(name))
+    return ModelSource(name, "hub", str(folder), None, commit)
 
 
 def _suggest(name: str) -> str:

@@ -50,6 +50,7 @@ class EvalConfig:
     threads: int | None = None               # engine folders only: onnxruntime intra-op threads
     force: bool = False                      # replace OUTPUT_FILES already in the output folder
     distill: DistillConfig = DistillConfig()  # pop-distill: how its weights are distilled (tests: few steps)
+    revision: str | None = None              # a hub id's branch, tag or commit (default: its main branch)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))

@@ -73,13 +73,16 @@ def run_eval(model_name: str, out: Path, config: EvalConfig | None = None, **opt
     config = config if config is not None else EvalConfig(**options)
     check_output_folder(out, config.force)  # before any work: results.json is never replaced without force
     if is_engine_folder(model_name):
+        if config.revision is not None:
+            raise ConfigError(f"--revision {config.revision} picks a commit of a Hugging Face hub id; "
+                              f"{model_name} is an engine folder: drop --revision")
         return run_engine_eval(model_name, out, config)
     if config.provider is not None or config.threads is not None:
         raise ConfigError("--provider and --threads are for an engine folder (onnxruntime); "
                          f"{model_name} runs through the eager reference")
     from ...frontend.models import load_model
 
-    results = reference_eval(load_model(model_name), model_name, config)
+    results = reference_eval(load_model(model_name, revision=config.revision), model_name, config)
     write_results(results, out, config.force)
     return results
 
