@@ -99,6 +99,19 @@ def pytest_collection_modifyitems(config, items):
                1 if item.get_closest_marker("xdist_group") else 2)
 
 
+def pytest_configure(config):
+    """A worker's share of the cores for torch's threads (and its subprocesses' OpenMP): two workers of two
+    threads each on two cores oversubscribe them, and OpenMP threads that spin while they wait then slow the
+    ops of both. xdist sets PYTEST_XDIST_WORKER_COUNT in each worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """Two workers (CI's two cores; more would multiply memory: a real-model export peaks at several GB), none
     when the run names test files or ids of one file only: a single file needs no workers' startup."""

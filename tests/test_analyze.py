@@ -300,7 +300,7 @@ def fake_loader(monkeypatch):
     from popcompile.frontend import models
 
     loaded = SimpleNamespace(model=tiny_model("qwen3", layers=3), tokenizer=CharTokenizer())
-    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    monkeypatch.setattr(models, "load_model", lambda name, revision=None: loaded)
     return loaded
 
 
