@@ -1,4 +1,4 @@
-"""The package's layering, read from the source (issues 15 and 34, popcompile/README.md).
+"""The package's layering, read from the source (popcompile/README.md, "Layering").
 
     parts      each top-level part imports only the parts ``MAY_IMPORT`` names for it (the drawing in
                popcompile/README.md, as a table)

@@ -1,4 +1,4 @@
-"""The layering in packaging (issue 34): a machine that only runs engine folders installs the core and an
+"""The layering in packaging: a machine that only runs engine folders installs the core and an
 onnxruntime (``pip install 'popcompile[cpu]'``): no torch, transformers or onnx. An engine folder exported
 here runs there with the same greedy tokens, and a compile command there names the extra it needs.
 
