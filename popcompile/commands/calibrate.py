@@ -159,15 +159,18 @@ def fitted(model, batches: list, cut: int, config):
     with FitProgress() as progress:
         fit, result = fit_on_tokens(model, batches, cut, config, progress=progress)
     record = fit.record or {}
-    stopped = f"; {record['stopped']}" if record.get("stopped") else ""
+    tail = f"; {record['stopped']}" if record.get("stopped") else ""
+    if record:
+        tail += (f"; fitted in {record['elapsed_s']:.0f} s on {record['device']} (estimated "
+                 f"{record['estimate_s']:.0f} s)")
     if record.get("fallback"):
-        return fit, f"; POP+ (ridge) instead of POP++: over the calibration budget{stopped}"
+        return fit, f"; POP+ (ridge) instead of POP++: over the calibration budget{tail}"
     if result is None:
-        return fit, stopped
+        return fit, tail
     first, best = result.initial, result.best
     return fit, (f"; distilled {result.steps_run} steps, held-out matched prefix "
                  f"{first.matched_prefix:.2f} -> {best.matched_prefix:.2f} tokens, KL {first.kl:.4f} -> "
-                 f"{best.kl:.4f} at step {result.best_step}{stopped}")
+                 f"{best.kl:.4f} at step {result.best_step}{tail}")
 
 
 def check_output_file(out: Path, force: bool) -> None:

@@ -21,7 +21,8 @@ fit is all latency, an 8B one all FLOPs). FLOPs, with cost.Geometry's counting (
               rows L * layer(P, C) + head, the ridge moments (as above, over P + C rows), the LM head on the
               C rows twice (top-k, then the S kept rows; S bounded by min(V, W C k)); then
               steps * 3 * student  (forward + backward) and (steps / eval_every + 1) * held * student,
-              student = (L-cut) * (kv(P) + layer(P, C)) + C * 2 d S
+              student = (L-cut) * (kv(P) + layer(P, C)) + C * 2 d S; every step counted (an upper
+              bound: ``patience`` often ends training earlier)
 
 Budget: ``plan_fit`` decides before anything runs; distill stops at its deadline inside training
 (distill._train, keeping the best held-out weights), ridge after the batch that crosses it (fit on the

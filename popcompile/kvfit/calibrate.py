@@ -166,7 +166,7 @@ def norm_scale(norm: torch.nn.Module, width: int) -> torch.Tensor:
 
 
 def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
-    got, want = scale.to(h.device) * rms_unit(h, eps), norm(h).double()
+    got, want = scale * rms_unit(h.cpu(), eps), norm(h).cpu().double()
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     if err > 1e-4:
         raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error "
@@ -179,7 +179,8 @@ class _AllCutMoments:
 
     def __init__(self, cuts: list[int], num_layers: int, width: int, out: int, device: torch.device):
         self.cuts, self.num_layers, self.out = cuts, num_layers, out
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)
+        self.device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=self.device)
         self.ntn = {c: zeros(width + 1, width + 1) for c in cuts}
         self.nty = {c: zeros(width + 1, out * (num_layers - 1 - c)) for c in cuts}
 
@@ -236,11 +237,11 @@ class CutMoments:
             _check_factorises(self.norms[-1], hidden[self.cuts[0]], self.scales[-1], self.eps)
         self.digest.update(ids.cpu().numpy().tobytes())
         self.tokens += ids.numel()
-        targets = {}
+        targets, device = {}, self.moments.device
         for l in range(self.cuts[0] + 1, self.num_layers):
             x_true = self.norms[l](hidden[l])
-            targets[l] = torch.cat([p(x_true) for p in self.projs[l]], dim=1).double()
-        self.moments.add({c: rms_unit(hidden[c], self.eps) for c in self.cuts}, targets)
+            targets[l] = torch.cat([p(x_true) for p in self.projs[l]], dim=1).to(device).double()
+        self.moments.add({c: rms_unit(hidden[c].to(device), self.eps) for c in self.cuts}, targets)
 
     def fits(self) -> dict[int, KVFit]:
         """``{cut: its ridge fit}`` from what was added."""

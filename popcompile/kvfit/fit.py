@@ -142,6 +142,7 @@ def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Ten
         windows = tokens if isinstance(tokens, torch.Tensor) else torch.cat(list(tokens))
         shapes = [tuple(windows.shape)]
     else:
+        tokens = list(tokens)
         shapes = [tuple(batch_kind(b).ids(b).shape) for b in tokens]
     plan = plan_fit(model, shapes, cut, config, device)
     report(plan)
