@@ -59,7 +59,7 @@ def add_fit_options(parser) -> None:
 
     parser.add_argument("--device", default=KVFitConfig.device, metavar="{auto,cpu,cuda,cuda:N,mps}",
                         help="where the K/V fit runs: auto (default: a CUDA GPU when torch sees one, else "
-                             "the CPU), cpu, cuda, cuda:N or mps; the engine is the same")
+                             "the CPU), cpu, cuda, cuda:N or mps (the model is moved there for the fit only)")
     parser.add_argument("--calibration-budget", type=_seconds_or_none, metavar="{SECONDS,none}",
                         default=DEFAULT_CALIBRATION_BUDGET_S,
                         help="seconds the K/V fit may take (default "
