@@ -426,6 +426,13 @@ def _check_windows(windows: torch.Tensor, config: DistillConfig) -> None:
                          f"{config.continuation + 2} tokens (--seq-len)")
 
 
+def check_inputs(model, windows: torch.Tensor, cut: int, config: DistillConfig) -> None:
+    """What ``ridge_then_distill`` refuses, checked before anything runs (or is estimated)."""
+    check_cut(cut, model.config.get_text_config().num_hidden_layers)
+    _check_windows(windows, config)
+    _split(windows.shape[0], config)
+
+
 def _split(count: int, config: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(training, held-out) window indices, shuffled with the seed."""
     held = max(1, round(count * config.held_out))

@@ -32,7 +32,7 @@ from ..passes.pop import Projection
 from .budget import Deadline, FitPlan, on_device, plan_fit, resolve_device
 from .calibrate import KVFit, batch_kind, check_fit, check_fit_shapes, default_batches, load_fit, ridge_fits
 from .corpus import calibration_docs
-from .distill import DistillProgress, DistillResult, default_windows, ridge_then_distill
+from .distill import DistillProgress, DistillResult, check_inputs, default_windows, ridge_then_distill
 from .images import ImageWindow, image_windows
 
 #: the step ``resolve_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
@@ -140,6 +140,7 @@ def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Ten
     windows = None
     if config.method == "distill":
         windows = tokens if isinstance(tokens, torch.Tensor) else torch.cat(list(tokens))
+        check_inputs(model, windows, cut, config.distill)  # a bad input fails before the estimate is shown
         shapes = [tuple(windows.shape)]
     else:
         tokens = list(tokens)
