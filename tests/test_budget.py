@@ -164,16 +164,31 @@ def test_device_speed_is_measured_once_in_a_fraction_of_a_second():
 TOLERANCE = 5.0
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, the speed measured again under it: on cores another process keeps busy, a small
+    matmul threaded over two waits milliseconds for its second thread, at random (an oversubscribed
+    machine's stalls, which no estimate predicts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    device_speed.cache_clear()
+    yield
+    torch.set_num_threads(threads)
+    device_speed.cache_clear()
+
+
 @pytest.mark.parametrize("method", ["ridge", "distill"])
-def test_the_estimate_is_within_5x_of_a_tiny_fit(model, method):
+def test_the_estimate_is_within_5x_of_a_tiny_fit(model, method, one_thread):
     config = KVFitConfig(method=method, distill=SHORT, seq_len=24, budget_s=None)
     ids = windows()
     tokens = ids if method == "distill" else list(ids.split(4))
     fit_on_tokens(model, tokens, CUT, config, progress=lambda event: None)  # warm-up
-    events: list = []
-    start = time.perf_counter()
-    fit, _ = fit_on_tokens(model, tokens, CUT, config, progress=events.append)
-    took = time.perf_counter() - start
+    took = math.inf
+    for _ in range(3):  # the best of three: a busy machine stalls a fit of a fraction of a second for seconds
+        events: list = []
+        start = time.perf_counter()
+        fit, _ = fit_on_tokens(model, tokens, CUT, config, progress=events.append)
+        took = min(took, time.perf_counter() - start)
     plan = events[0]
     assert isinstance(plan, FitPlan) and plan.method == method and fit.record["method"] == method
     assert 1 / TOLERANCE < plan.estimate_s / took < TOLERANCE, (plan.estimate_s, took, plan.line())

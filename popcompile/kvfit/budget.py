@@ -45,8 +45,8 @@ from ..errors import EnvironmentUnavailable
 #: eager PyTorch ops (dispatches) per decoder-layer call (norms, projections, RoPE, attention, MLP, residuals)
 #: and per call of the whole model (Hugging Face's masks, RoPE tables, cache, embedding, hooks), calibrated
 #: on tiny models, whose fits are all latency (tests/test_budget.py: the estimate within 5x of the time)
-LAYER_OPS = 600
-MODEL_OPS = 2500
+LAYER_OPS = 60
+MODEL_OPS = 250
 #: float64 (the ridge moments) against float32 matmul throughput
 FLOAT64_COST = 2.0
 #: a distillation step's backward against its forward (activation gradients + the trained K/V weights)
