@@ -17,6 +17,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -282,6 +283,11 @@ FIT_METHODS = ("ridge", "distill")
 #: a bias on every refitted k/v projection, per method, when none is asked for: off for ridge (it lowered
 #: greedy chat agreement), on for distill (the configuration measured; docs/results.md, POP++)
 DEFAULT_FIT_BIAS = {"ridge": False, "distill": True}
+#: where a K/V fit may run (KVFitConfig.device): auto = cuda when torch sees a GPU, else cpu; cuda:N also
+FIT_DEVICES = ("auto", "cpu", "cuda", "mps")
+_FIT_DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
+#: seconds a K/V fit may take unless told otherwise (KVFitConfig.budget_s says why this value)
+DEFAULT_CALIBRATION_BUDGET_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -295,6 +301,17 @@ class KVFitConfig:
                    None: the method's default (DEFAULT_FIT_BIAS)
     ``seq_len``    tokens per calibration window of the ridge fit; ``max_tokens``: calibration tokens at most
     ``distill``    how distill trains (DistillConfig: steps, lr, seed, ...); read by distill only
+    ``device``     where the fit runs (FIT_DEVICES): auto (a CUDA GPU when torch sees one, else the CPU),
+                   cpu, cuda, cuda:N, mps; the model is moved there for the fit, the weights come back on
+                   the CPU (kvfit/budget.py resolves it: EnvironmentUnavailable when it is absent)
+    ``budget_s``   seconds the fit may take (None: no limit). Before it starts, its time is estimated
+                   (kvfit/budget.py: the fit's FLOPs over the device's measured speed); distill whose
+                   estimate exceeds it falls back to the ridge fit (POP+), said in one line and recorded in
+                   the manifest; a fit that runs out stops with the best weights so far (distill: the best
+                   held-out score; ridge: the tokens seen). Default 600 s: the default POP++ fit of a 135M
+                   model on two CPU cores (4-5 min) fits with room for the estimate's error, and by the
+                   estimate's arithmetic so does an 8B fit on one GPU; a 1B model's distillation on a CPU
+                   (over half an hour) or an 8B one's (hours) becomes POP+, with a line saying so
     """
 
     method: str = "ridge"
@@ -303,6 +320,8 @@ class KVFitConfig:
     seq_len: int = 512
     max_tokens: int = 65536
     distill: DistillConfig = field(default_factory=DistillConfig)
+    device: str = "auto"
+    budget_s: float | None = DEFAULT_CALIBRATION_BUDGET_S
 
     def __post_init__(self) -> None:
         if self.method not in FIT_METHODS:
@@ -324,6 +343,15 @@ class KVFitConfig:
         if not isinstance(self.distill, DistillConfig):
             raise ConfigError(f"distill={self.distill!r} is not a DistillConfig: "
                               "give DistillConfig(steps=...)")
+        if not (isinstance(self.device, str) and _FIT_DEVICE.fullmatch(self.device)):
+            raise ConfigError(f"{_named('device', self.device)} is not a device: give one of "
+                              f"{', '.join(FIT_DEVICES)} (cuda:N: GPU N)")
+        if self.budget_s is not None and not (isinstance(self.budget_s, (int, float))
+                                              and not isinstance(self.budget_s, bool)
+                                              and math.isfinite(self.budget_s) and self.budget_s > 0):
+            raise ConfigError(f"--calibration-budget {self.budget_s!r} (budget_s={self.budget_s!r}) must be "
+                              f"a number of seconds > 0, or none for no limit (default "
+                              f"{DEFAULT_CALIBRATION_BUDGET_S:g})")
 
     @property
     def fits_bias(self) -> bool:

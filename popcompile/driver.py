@@ -6,7 +6,9 @@ read and fill in); the progress bar and ``steps()`` read the names from that lis
     load                  frontend.models.load_model  a shipped name, a .gguf, a HF folder (or a LoadedModel)
     calibrate             config.resolve_cut,         the cut for this model's depth, resolved once; POP+
                           kvfit.fit.resolve_fit       weights (none | ridge | file | auto on a VLM)
-    distill               kvfit.fit.resolve_fit       POP++ weights (minutes): distill, auto on a text model
+    distill               kvfit.fit.resolve_fit       POP++ weights (minutes): distill, auto on a text model;
+                                                      estimated first, on KVFitConfig.device, within its
+                                                      budget (kvfit/budget.py: may fall back to POP+)
     (cast)                cast_model                  the model in the engine's dtype (no progress name)
     capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
     POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
@@ -68,6 +70,7 @@ class Compilation:
     out: Path
     force: bool
     report: Callable[[str], None]
+    fit_progress: Callable | None = None  # the K/V fit's events (kvfit.fit.fit_on_tokens): plan, progress
     early_fit: KVFit | None = None        # a calibration file, read before the model loads
     loaded: LoadedModel | None = None     # load; calibrate replaces its model by the cast one
     owned: bool = False                   # load: the driver loaded the model, so it may cast it in place
@@ -87,6 +90,8 @@ class Compilation:
         """What the target writes: every decision made, no config."""
         provenance = {"kv_calibration": dataclasses.asdict(self.fit.info) if self.fit else None,
                       "cut_choice": self.config.cut_choice and dict(self.config.cut_choice)}
+        if self.fit is not None and self.fit.record is not None:  # fitted now: how, where, how long
+            provenance["kv_fit"] = dict(self.fit.record)
         return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance)
 
 
@@ -120,13 +125,13 @@ def _calibrate(c: Compilation) -> None:
     check_vision_cut(c.loaded.model.config, c.cut)
     if fit_method(c.loaded.model, c.config.kv_calibration) != "distill":  # distill: its own step
         c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
-                       config=c.config.kv_fit, folder=c.model_folder)
+                            config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress)
 
 
 def _distill(c: Compilation) -> None:
     if fit_method(c.loaded.model, c.config.kv_calibration) == "distill":
         c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
-                       config=c.config.kv_fit, folder=c.model_folder)
+                            config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress)
 
 
 def _cast(c: Compilation) -> None:
@@ -184,13 +189,16 @@ COMPILE_STEPS = (
 
 def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *, out: str | Path,  # noqa: A001
             target: str | Target = "onnx", force: bool = False,
-            progress: Callable[[str], None] | None = None) -> EngineManifest | ServingFolder:
+            progress: Callable[[str], None] | None = None,
+            fit_progress: Callable | None = None) -> EngineManifest | ServingFolder:
     """Compile ``model`` with POP into the engine folder ``out``; returns its manifest (module docstring), for
-    the vllm target a ServingFolder."""
+    the vllm target a ServingFolder. ``progress(name)`` before each step; ``fit_progress(event)`` inside the
+    K/V fit (kvfit.fit.fit_on_tokens: the FitPlan with its estimate, then DistillProgress; without it a
+    fallback to ridge is a warning)."""
     config, target, out = config or PopConfig(), target_for(target), Path(out)
     target.preflight(config)
     target = target.for_config(config)  # e.g. the attention lowering, decided once for this dtype
-    c = Compilation(model, config, target, out, force, progress or (lambda name: None))
+    c = Compilation(model, config, target, out, force, progress or (lambda name: None), fit_progress)
     check_output_folder(out, force)
     c.early_fit = load_file_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
     plan = [step for step in COMPILE_STEPS if step.applies(config, target)]

@@ -40,7 +40,7 @@ MAY_IMPORT = {
     "config": {"engine", "errors", "threshold"},
     "frontend": {"engine", "errors"},
     "passes": {"config", "engine", "errors", "frontend"},
-    "kvfit": {"config", "errors", "frontend", "fsutil", "passes"},
+    "kvfit": {"config", "cost", "errors", "frontend", "fsutil", "passes"},
     "reference": {"config", "errors", "frontend", "passes"},
     "runtime": {"cost", "engine", "errors", "fsutil", "threshold"},
     "vllm_plugin": {"config", "engine", "errors", "frontend", "fsutil", "threshold"},

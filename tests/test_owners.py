@@ -28,6 +28,7 @@ OWNERS = {
     "lr": ("config.py",),                 # DistillConfig
     "held_out": ("config.py",),
     "patience": ("config.py",),
+    "budget_s": ("config.py",),           # KVFitConfig.budget_s (DEFAULT_CALIBRATION_BUDGET_S)
     "prune_ratio": ("config.py",),        # PopConfig, resolve_cut (DEFAULT_PRUNE_RATIO)
     # PopConfig ("auto": measured at export); the formats' reading of a record written before the field
     # existed (0: POP for every prompt) in the engine manifest and the vLLM folder's config entry
@@ -212,6 +213,10 @@ RULES = {
     "engine / vLLM folder format": (compares("FORMAT"), ("engine/manifest.py", "engine/vllm_folder.py")),
     # a K/V fit's k/v shapes against a model's or a graph's: kvfit.calibrate.check_kv_shapes
     "a K/V fit's shapes checked": (compares("got_shapes"), ("kvfit/calibrate.py",)),
+    # where a K/V fit runs (auto -> cuda | cpu, an absent device refused) and what it is estimated to cost:
+    # kvfit.budget (resolve_device, device_speed, plan_fit)
+    "the K/V fit's device and estimate": (calls("is_available", "device_speed", "fit_work"),
+                                          ("kvfit/budget.py",)),
 }
 
 
@@ -246,6 +251,7 @@ def test_each_rule_is_found_in_its_owner():
     (byte_sizes, 'size = ITEMSIZE[self.dtype]', []),
     (mode_none, 'if opts.kv_calibration.mode == "none": pass', [1]),
     (calls("check_fit"), "check_fit(fit, cut, layers)", [1]),
+    (calls("is_available"), "gpu = torch.cuda.is_available()", [1]),
     (names_used("k_norm"), "norm = layer.get_submodule(spec.k_norm)", [1]),
     (names_used("FORMAT_VERSION"), "v = {'format_version': FORMAT_VERSION}", [1]),
     (compares("FORMAT"), "ok = entry.get('format') != FORMAT", [1]),

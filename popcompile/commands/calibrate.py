@@ -3,7 +3,6 @@ distilled on the output from the ridge fit (distill, POP++: popcompile/kvfit/dis
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..config import FIT_METHODS, check_cut_choice
@@ -12,8 +11,10 @@ from ..fsutil import check_destination
 from .common import (
     add_corpus_options,
     add_cut_options,
+    add_fit_options,
     add_model_argument,
     check_range,
+    fit_options,
     precheck_model,
     quiet_libraries,
     user_sources,
@@ -56,6 +57,7 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, help=f"distill: Adam learning rate (default {steps.lr:g})")
     p.add_argument("--seed", type=int,
                    help=f"distill: seed of the held-out split and the window order (default {steps.seed})")
+    add_fit_options(p)
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(handler=cmd_calibrate)
 
@@ -68,6 +70,9 @@ def cmd_calibrate(args) -> None:
     config = fit_config(args)
     check_output_file(args.out, args.force)
     precheck_model(args.model)
+    from ..kvfit.budget import resolve_device
+
+    resolve_device(config.device)  # --device cuda without a GPU: fail now, not after the model loads
     from ..config import resolve_cut
     from ..frontend.models import load_model
     from ..frontend.vision import check_cut as check_vision_cut
@@ -101,7 +106,7 @@ def fit_config(args):
         raise ConfigError(f"{', '.join(f'--{name}' for name in given)} apply to --method distill only: add "
                           "--method distill or drop them")
     config = KVFitConfig(method=args.method, ridge=args.ridge, bias=args.bias, seq_len=args.seq_len,
-                         max_tokens=args.max_tokens, distill=DistillConfig(**given))
+                         max_tokens=args.max_tokens, distill=DistillConfig(**given), **fit_options(args))
     if config.method == "distill" and args.seq_len < 2:
         raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt token to prune for --method distill: "
                           "use --seq-len >= 2")
@@ -144,45 +149,28 @@ def image_batches(args, loaded, sources) -> list:
                          folder=getattr(loaded.source, "path", None))
 
 
-#: DistillProgress.phase -> (unit, description) of its progress bar
-PHASES = {"teacher": ("win", "full model (ridge fit, distillation's inputs)"), "train": ("step", "distill")}
-
-
 def fitted(model, batches: list, cut: int, config):
-    """(the fit, a note for the summary line), through ``kvfit.fit.fit_on_tokens`` with progress bars:
-    tokens for ridge; for distill one bar per phase (the ridge fit's statistics come from the distillation's
-    forward)."""
+    """(the fit, a note for the summary line), through ``kvfit.fit.fit_on_tokens``, its estimate, fallback
+    and progress drawn by ``FitProgress`` (one bar per phase: tokens for ridge; for distill the full model's
+    pass, whose forward also gives the ridge fit's statistics, then the training steps)."""
     from ..kvfit.fit import fit_on_tokens
+    from .fitprogress import FitProgress
 
-    if config.method == "ridge":
-        with _bar(sum(b.numel() for b in batches), "tok", "calibrate") as bar:
-            return fit_on_tokens(model, batches, cut, config, progress=bar.update)[0], ""
-    bars: dict = {}  # phase -> its bar, opened at the phase's first report
-
-    def report(event) -> None:
-        if event.phase not in bars:
-            for bar in bars.values():
-                bar.close()
-            bars[event.phase] = _bar(event.total, *PHASES[event.phase])
-        bar = bars[event.phase]
-        bar.update(event.done - bar.n)
-        if event.loss is not None:
-            bar.set_postfix(kl=f"{event.loss:.4f}", held_out=f"{event.held_out:.4f}", refresh=False)
-    try:
-        fit, result = fit_on_tokens(model, batches, cut, config, progress=report)
-    finally:
-        for bar in bars.values():
-            bar.close()
+    with FitProgress() as progress:
+        fit, result = fit_on_tokens(model, batches, cut, config, progress=progress)
+    record = fit.record or {}
+    tail = f"; {record['stopped']}" if record.get("stopped") else ""
+    if record:
+        tail += (f"; fitted in {record['elapsed_s']:.0f} s on {record['device']} (estimated "
+                 f"{record['estimate_s']:.0f} s)")
+    if record.get("fallback"):
+        return fit, f"; POP+ (ridge) instead of POP++: over the calibration budget{tail}"
+    if result is None:
+        return fit, tail
     first, best = result.initial, result.best
     return fit, (f"; distilled {result.steps_run} steps, held-out matched prefix "
                  f"{first.matched_prefix:.2f} -> {best.matched_prefix:.2f} tokens, KL {first.kl:.4f} -> "
-                 f"{best.kl:.4f} at step {result.best_step}")
-
-
-def _bar(total: int, unit: str, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, disable=None)
+                 f"{best.kl:.4f} at step {result.best_step}{tail}")
 
 
 def check_output_file(out: Path, force: bool) -> None:

@@ -52,6 +52,38 @@ def add_cut_options(parser, *, allow_auto: bool = False) -> None:
                                                        "(default 1/3: cut = L - floor(L/3))")
 
 
+def add_fit_options(parser) -> None:
+    """--device and --calibration-budget: where a K/V fit runs and how long it may take (KVFitConfig's
+    defaults; kvfit/budget.py)."""
+    from ..config import DEFAULT_CALIBRATION_BUDGET_S, KVFitConfig
+
+    parser.add_argument("--device", default=KVFitConfig.device, metavar="{auto,cpu,cuda,cuda:N,mps}",
+                        help="where the K/V fit runs: auto (default: a CUDA GPU when torch sees one, else "
+                             "the CPU), cpu, cuda, cuda:N or mps (the model is moved there for the fit only)")
+    parser.add_argument("--calibration-budget", type=_seconds_or_none, metavar="{SECONDS,none}",
+                        default=DEFAULT_CALIBRATION_BUDGET_S,
+                        help="seconds the K/V fit may take (default "
+                             f"{DEFAULT_CALIBRATION_BUDGET_S:g}; none: no limit). Its time is estimated "
+                             "first and printed; POP++ (distill) estimated over it fits POP+ (ridge) "
+                             "instead, said on stderr and in the manifest; a fit that runs out stops with "
+                             "the best weights so far")
+
+
+def fit_options(args) -> dict:
+    """KVFitConfig's fields from add_fit_options' flags (checked there: ConfigError naming the flag)."""
+    return {"device": args.device, "budget_s": args.calibration_budget}
+
+
+def _seconds_or_none(text: str) -> float | None:
+    if text.lower() in ("none", "inf"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--calibration-budget must be seconds or none, got {text!r}") \
+            from None
+
+
 def _cut_or_auto(text: str) -> int | str:
     if text == "auto":
         return text

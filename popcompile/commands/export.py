@@ -14,8 +14,10 @@ from . import build_trt
 from .common import (
     CliError,
     add_cut_options,
+    add_fit_options,
     add_model_argument,
     check_range,
+    fit_options,
     precheck_model,
     quiet_libraries,
 )
@@ -41,10 +43,14 @@ def register(sub) -> None:
     p.add_argument("--kv-calibration", default=str(PopConfig().kv_calibration),
                    metavar="{auto,ridge,distill,none,FILE}",
                    help="refit the pruned layers' K/V projections, at no inference cost: distill (POP++: "
-                        "trained on the full model's first greedy tokens, 4-5 min on CPU; greedy output "
-                        "closest to the full model's, docs/results.md), ridge (POP+: closed form, 2 min), "
+                        "trained on the full model's first greedy tokens, 4-5 min at 135M on 2 CPU cores; "
+                        "greedy output closest to the full model's, docs/results.md), ridge (POP+: closed "
+                        "form, 2 min), "
                         "auto (default: distill for a text model, ridge for a vision-language model), "
-                        "none (the paper's POP), or a file from `popcompile calibrate`")
+                        "none (the paper's POP), or a file from `popcompile calibrate`. The fit's time is "
+                        "estimated and printed first; --device and --calibration-budget say where it runs "
+                        "and how long it may take")
+    add_fit_options(p)
     p.add_argument("--target", choices=list(TARGETS), default="onnx",
                    help="engine format (default onnx; tensorrt needs an NVIDIA GPU; vllm writes a folder "
                         "that `vllm serve` runs with POP, docs/vllm.md)")
@@ -98,16 +104,21 @@ def _threshold_arg(text: str) -> int | str:
 
 
 def cmd_export(args) -> None:
-    from ..config import PopConfig
+    from ..config import KVFitConfig, PopConfig
     from ..exporters.checks import check_output_folder
 
     _check_cut_options(args)
     config = PopConfig(cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio,
                        boundary=args.boundary, kv_calibration=args.kv_calibration, dtype=args.dtype,
-                       max_seq=args.max_seq, min_prompt_tokens=args.min_prompt_tokens)
+                       max_seq=args.max_seq, min_prompt_tokens=args.min_prompt_tokens,
+                       kv_fit=KVFitConfig(**fit_options(args)))
     target = _target(args)
     _check_auto_cut_calibration(args, config)
     check_output_folder(args.out, args.force)
+    if config.kv_calibration.fits_now:  # --device cuda without a GPU: fail now, not after the model loads
+        from ..kvfit.budget import resolve_device
+
+        resolve_device(config.kv_fit.device)
     target.preflight(config)  # no GPU for TensorRT: fail now, not after the ONNX export
     precheck_model(args.model)
     with destination_lock(args.out):  # held through the cut choice too; a second export fails here, at once
@@ -166,6 +177,7 @@ def _compile(args, config, target):
 
     from ..driver import compile, steps
     from ..frontend.models import load_model
+    from .fitprogress import FitProgress
 
     quiet_libraries()
     loaded = load_model(args.model, revision=args.revision)
@@ -183,6 +195,8 @@ def _compile(args, config, target):
                 bar.update(1)
             bar.set_description(name)
 
-        manifest = compile(loaded, config, out=args.out, target=target, force=args.force, progress=progress)
+        with FitProgress(leave=False) as fit_progress:
+            manifest = compile(loaded, config, out=args.out, target=target, force=args.force,
+                               progress=progress, fit_progress=fit_progress)
         bar.update(bar.total - bar.n)
     return manifest

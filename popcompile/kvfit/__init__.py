@@ -6,6 +6,8 @@
     distill.py    POP++: those weights trained on KL(full || POP)
     fit.py        resolve_fit, the one place every entry point (export, torch.compile, eval, the vLLM
                   target) gets K/V weights from
+    budget.py     where a fit runs (KVFitConfig.device), its estimate before it starts, its time budget
+                  (KVFitConfig.budget_s: distill over it falls back to ridge; a fit that runs out stops)
 
 Names: a ``KVFit`` is the result (weights + CalibrationInfo), ``KVFitConfig`` how it is made. Functions are
 verb first: ``resolve_fit`` / ``resolve_file_fit`` (which fit a kv_calibration asks for), ``fit_builtin`` /

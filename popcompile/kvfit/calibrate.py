@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -64,6 +64,9 @@ class CalibrationInfo:
 class KVFit:
     info: CalibrationInfo
     weights: dict[int, dict[str, Projection]]  # layer -> {"k_proj": ..., "v_proj": ...}
+    #: how a fit made while compiling was made (kvfit/budget.FitPlan.record: method asked and run, device,
+    #: estimate, budget, time taken, an early stop); the manifest's ``extra.kv_fit``. Not saved in files.
+    record: dict | None = field(default=None, compare=False)
 
 
 def _text_layer_inputs(model: torch.nn.Module, ids: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -77,12 +80,14 @@ class BatchKind:
 
     ids: Callable[[Any], torch.Tensor]
     layer_inputs: Callable[[torch.nn.Module, Any], Sequence[torch.Tensor]]
+    to: Callable[[Any, torch.device], Any]  # the batch on a device
 
 
 #: a calibration batch's type -> how it is run: token ids, or a VLM's image+text windows (images.py)
 BATCH_KINDS: dict[type, BatchKind] = {
-    torch.Tensor: BatchKind(lambda ids: ids, _text_layer_inputs),
-    ImageWindow: BatchKind(lambda window: window.ids, image_layer_inputs),
+    torch.Tensor: BatchKind(lambda ids: ids, _text_layer_inputs, lambda ids, device: ids.to(device)),
+    ImageWindow: BatchKind(lambda window: window.ids, image_layer_inputs,
+                           lambda window, device: window.to(device)),
 }
 
 
@@ -153,14 +158,15 @@ def rms_unit(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_scale(norm: torch.nn.Module, width: int) -> torch.Tensor:
-    """s with norm(h) == s * n(h), float64 [width]: n(ones) = 1/sqrt(1+eps), so
+    """s with norm(h) == s * n(h), float64 [width] on the CPU: n(ones) = 1/sqrt(1+eps), so
     s = norm(ones) * sqrt(1+eps)."""
-    ones = torch.ones(1, width)
-    return norm(ones)[0].double() * (1.0 + norm_eps(norm)) ** 0.5
+    weight = next(norm.parameters(), None)
+    ones = torch.ones(1, width, device=None if weight is None else weight.device)
+    return norm(ones)[0].double().cpu() * (1.0 + norm_eps(norm)) ** 0.5
 
 
 def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
-    got, want = scale * rms_unit(h, eps), norm(h).double()
+    got, want = scale * rms_unit(h.cpu(), eps), norm(h).cpu().double()
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     if err > 1e-4:
         raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error "
@@ -168,17 +174,21 @@ def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tenso
 
 
 class _AllCutMoments:
-    """N_c^T N_c per cut and N_c^T [Y_{c+1} .. Y_{L-1}] per cut (float64), N_c with a ones column."""
+    """N_c^T N_c per cut and N_c^T [Y_{c+1} .. Y_{L-1}] per cut (float64, on the model's ``device``; the
+    moments of a fit come back on the CPU), N_c with a ones column."""
 
-    def __init__(self, cuts: list[int], num_layers: int, width: int, out: int):
+    def __init__(self, cuts: list[int], num_layers: int, width: int, out: int, device: torch.device):
         self.cuts, self.num_layers, self.out = cuts, num_layers, out
-        self.ntn = {c: torch.zeros(width + 1, width + 1, dtype=torch.float64) for c in cuts}
-        self.nty = {c: torch.zeros(width + 1, out * (num_layers - 1 - c), dtype=torch.float64) for c in cuts}
+        self.device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=self.device)
+        self.ntn = {c: zeros(width + 1, width + 1) for c in cuts}
+        self.nty = {c: zeros(width + 1, out * (num_layers - 1 - c)) for c in cuts}
 
     def add(self, units: dict[int, torch.Tensor], targets: dict[int, torch.Tensor]) -> None:
         # units[c]: n(h_c) [T, d] float64; targets[l]: [k_proj | v_proj] of layer l's true input [T, out]
         for c in self.cuts:
-            n = torch.cat([units[c], torch.ones(units[c].shape[0], 1, dtype=torch.float64)], dim=1)
+            ones = torch.ones(units[c].shape[0], 1, dtype=torch.float64, device=units[c].device)
+            n = torch.cat([units[c], ones], dim=1)
             self.ntn[c] += n.T @ n
             if c < self.num_layers - 1:
                 self.nty[c] += n.T @ torch.cat([targets[l] for l in range(c + 1, self.num_layers)], dim=1)
@@ -190,8 +200,8 @@ class _AllCutMoments:
         width = scale.shape[0] + int(bias)
         s = torch.cat([scale, torch.ones(1, dtype=torch.float64)])[:width]
         start = (layer - cut - 1) * self.out
-        xtx = s[:, None] * self.ntn[cut][:width, :width] * s[None, :]
-        return xtx, s[:, None] * self.nty[cut][:width, start:start + self.out]
+        xtx = s[:, None] * self.ntn[cut][:width, :width].cpu() * s[None, :]
+        return xtx, s[:, None] * self.nty[cut][:width, start:start + self.out].cpu()
 
 
 class CutMoments:
@@ -214,7 +224,8 @@ class CutMoments:
         self.scales = [norm_scale(norm, width) for norm in self.norms]
         self.split = self.projs[-1][0].out_features  # K columns, then V columns
         self.moments = _AllCutMoments(self.cuts, self.num_layers, width,
-                                      self.split + self.projs[-1][1].out_features)
+                                      self.split + self.projs[-1][1].out_features,
+                                      next(model.parameters()).device)
         self.digest, self.tokens = hashlib.sha256(), 0
 
     @torch.no_grad()
@@ -224,13 +235,13 @@ class CutMoments:
         if self.tokens == 0:
             # a pair the fits use
             _check_factorises(self.norms[-1], hidden[self.cuts[0]], self.scales[-1], self.eps)
-        self.digest.update(ids.numpy().tobytes())
+        self.digest.update(ids.cpu().numpy().tobytes())
         self.tokens += ids.numel()
-        targets = {}
+        targets, device = {}, self.moments.device
         for l in range(self.cuts[0] + 1, self.num_layers):
             x_true = self.norms[l](hidden[l])
-            targets[l] = torch.cat([p(x_true) for p in self.projs[l]], dim=1).double()
-        self.moments.add({c: rms_unit(hidden[c], self.eps) for c in self.cuts}, targets)
+            targets[l] = torch.cat([p(x_true) for p in self.projs[l]], dim=1).to(device).double()
+        self.moments.add({c: rms_unit(hidden[c].to(device), self.eps) for c in self.cuts}, targets)
 
     def fits(self) -> dict[int, KVFit]:
         """``{cut: its ridge fit}`` from what was added."""
@@ -255,17 +266,22 @@ class CutMoments:
 def ridge_fits(
     model: torch.nn.Module, batches: Iterable[torch.Tensor], cuts: Iterable[int], *,
     ridge: float = KVFitConfig.ridge, bias: bool = DEFAULT_FIT_BIAS["ridge"],
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, stop: Callable[[], bool] = lambda: False,
 ) -> dict[int, KVFit]:
     """``{cut: ridge_fit(model, batches, cut, bias=bias)}`` for every cut in one pass over the corpus (see
-    above); ``batches`` as ridge_fit takes them."""
+    above); ``batches`` as ridge_fit takes them, run on the model's device. ``stop()`` (the time budget) is
+    asked after every batch: the fits are then those of the batches so far (their ``info.tokens``)."""
     moments = CutMoments(model, cuts, ridge=ridge, bias=bias)
+    device = next(model.parameters()).device
     for batch in batches:
         kind = batch_kind(batch)
+        batch = kind.to(batch, device)
         hidden = kind.layer_inputs(model, batch)  # [l]: input of layer l, [B, T, d]
         moments.add({l: h.flatten(0, 1) for l, h in enumerate(hidden[:moments.num_layers])}, kind.ids(batch))
         if progress is not None:
             progress(kind.ids(batch).numel())
+        if stop():
+            break
     return moments.fits()
 
 

@@ -104,6 +104,9 @@ class DistillResult:
     steps_run: int        # steps done before the end or the early stop
     held_out: tuple[int, ...]  # the windows (rows of ``windows``) scored for early stopping, never trained on
     init: KVFit           # the fit training started from (ridge_then_distill's ridge fit)
+    #: why training ended before ``config.steps``: "patience" (no improvement), "budget" (``stop()`` said
+    #: so: the time budget, kvfit/budget.py), None (every step ran)
+    stopped: str | None = None
 
     @property
     def initial_kl(self) -> float:
@@ -157,7 +160,7 @@ def _hidden(call: tuple[tuple, dict]) -> torch.Tensor:
 
 
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
-    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
           **{cache_keyword(model): cache})
 
@@ -167,8 +170,8 @@ def _greedy(model, last: torch.Tensor, cache: DynamicCache, start: int, steps: i
     copied, not extended)."""
     cache, tokens = copy.deepcopy(cache), [last]
     for i in range(steps):
-        out = model(input_ids=tokens[-1], position_ids=torch.tensor([[start + i]]), use_cache=True,
-                    logits_to_keep=1, **{cache_keyword(model): cache})
+        out = model(input_ids=tokens[-1], position_ids=torch.tensor([[start + i]], device=last.device),
+                    use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
         tokens.append(out.logits[:, -1:].argmax(-1))
     return torch.cat(tokens[1:], dim=1) if steps else last[:, :0]
 
@@ -209,7 +212,8 @@ def _scored_vocab(model, teacher: torch.Tensor, top_k: int) -> tuple[torch.Tenso
     whole = [head_logits(model, h[None]).float() for h in teacher] if top_k == 0 else None
     if whole is not None:
         return torch.cat(whole), torch.cat([x.argmax(-1) for x in whole]), None
-    kept, argmax = torch.zeros(model.get_output_embeddings().out_features, dtype=torch.bool), []
+    kept = torch.zeros(model.get_output_embeddings().out_features, dtype=torch.bool, device=teacher.device)
+    argmax = []
     for h in teacher:
         top = head_logits(model, h[None]).topk(top_k, dim=-1).indices  # [1, C, k], sorted: argmax first
         kept[top.flatten()] = True
@@ -220,11 +224,12 @@ def _scored_vocab(model, teacher: torch.Tensor, top_k: int) -> tuple[torch.Tenso
 
 def _precompute(model, windows: torch.Tensor, cut: int, config: DistillConfig,
                 report: Callable[[int], None], moments: CutMoments | None = None) -> _Windows:
-    """``_run_window`` over every window [W, T]; the geometry is the first window's (all share one length)."""
-    runs, geometry = [], None
+    """``_run_window`` over every window [W, T] (on the model's device, one at a time); the geometry is the
+    first window's (all share one length)."""
+    runs, geometry, device = [], None, next(model.parameters()).device
     for i in range(windows.shape[0]):
-        *tensors, found = _run_window(model, windows[i:i + 1], cut, config.continuation, config.targets,
-                                      moments)
+        *tensors, found = _run_window(model, windows[i:i + 1].to(device), cut, config.continuation,
+                                      config.targets, moments)
         runs.append(tensors)
         geometry = geometry or found
         report(i + 1)
@@ -304,7 +309,7 @@ def _row_kl(model, data: _Windows, rows: torch.Tensor, weights) -> tuple[torch.T
 def _loss(model, data: _Windows, rows: torch.Tensor, weights, config: DistillConfig) -> torch.Tensor:
     """The weighted mean KL of the module docstring (a scalar with gradients)."""
     kl = _row_kl(model, data, rows, weights)[0]
-    w = torch.ones(kl.shape[1])
+    w = torch.ones(kl.shape[1], device=kl.device)
     w[0] = config.boundary_weight
     return (kl * w).sum(-1).mean() / w.sum()
 
@@ -368,14 +373,23 @@ class _Best:
 
 
 def _train(model, data: _Windows, weights: Weights, train: torch.Tensor, held: torch.Tensor,
-           config: DistillConfig, report: Callable[[DistillProgress], None]) -> tuple[Score, _Best, int]:
+           config: DistillConfig, report: Callable[[DistillProgress], None],
+           stop: Callable[[], bool] = lambda: False) -> tuple[Score, _Best, int, str | None]:
     """Adam on ``weights`` in place; (held-out score of the init, the best by ``config.select``, steps
-    run)."""
+    run, why it stopped early: "patience", "budget" or None). ``stop()`` is asked before every step; when it
+    says so, the weights of the last step are scored too (unless just scored), so the best so far is kept."""
     optimiser = torch.optim.Adam(_tensors(weights), lr=config.lr)
     shuffle = torch.Generator().manual_seed(config.seed + 1)
     initial = _score(model, data, held, weights)
     best, held_kl, stale, order, step = _Best(initial, 0, _snapshot(weights)), initial.kl, 0, [], 0
+    scored = 0
     while step < config.steps and stale < config.patience:
+        if stop():
+            if scored != step:
+                score = _score(model, data, held, weights)
+                if score.better_than(best.score, config.select):
+                    best = _Best(score, step, _snapshot(weights))
+            return initial, best, step, "budget"
         step += 1
         order = order or train[torch.randperm(len(train), generator=shuffle)].tolist()  # one epoch
         loss = _loss(model, data, torch.tensor([order.pop()]), weights, config)
@@ -383,12 +397,12 @@ def _train(model, data: _Windows, weights: Weights, train: torch.Tensor, held: t
         loss.backward()
         optimiser.step()
         if step % config.eval_every == 0 or step == config.steps:
-            score = _score(model, data, held, weights)
+            score, scored = _score(model, data, held, weights), step
             held_kl = score.kl
             improved = score.better_than(best.score, config.select)
             best, stale = (_Best(score, step, _snapshot(weights)), 0) if improved else (best, stale + 1)
         report(DistillProgress("train", step, config.steps, float(loss.detach()), held_kl))
-    return initial, best, step
+    return initial, best, step, "patience" if step < config.steps else None
 
 
 def check_cut(cut: int, num_layers: int) -> None:
@@ -410,6 +424,13 @@ def _check_windows(windows: torch.Tensor, config: DistillConfig) -> None:
         raise InputError(f"windows of {windows.shape[1]} tokens leave no prompt before the "
                          f"{config.continuation} scored tokens: give windows of at least "
                          f"{config.continuation + 2} tokens (--seq-len)")
+
+
+def check_inputs(model, windows: torch.Tensor, cut: int, config: DistillConfig) -> None:
+    """What ``ridge_then_distill`` refuses, checked before anything runs (or is estimated)."""
+    check_cut(cut, model.config.get_text_config().num_hidden_layers)
+    _check_windows(windows, config)
+    _split(windows.shape[0], config)
 
 
 def _split(count: int, config: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,18 +483,20 @@ def distill_kv(model, windows: torch.Tensor, init: KVFit, config: DistillConfig 
 
 def ridge_then_distill(model, windows: torch.Tensor, cut: int, config: DistillConfig = DistillConfig(), *,
                        ridge: float = KVFitConfig.ridge, bias: bool = DEFAULT_FIT_BIAS["distill"],
-                       progress: Callable[[DistillProgress], None] | None = None) -> DistillResult:
+                       progress: Callable[[DistillProgress], None] | None = None,
+                       stop: Callable[[], bool] = lambda: False) -> DistillResult:
     """``distill_kv`` from the ridge fit (calibrate.ridge_fits) on the same windows [W, T], both from one
     full-model pass: the ridge fit's statistics are taken from the forward the distillation precomputes
     (document targets: rows 0..T-2 of each window; greedy: the window and the greedy tokens but the last),
     which saves a full forward over the corpus. ``bias`` on by default: the
-    configuration measured (docs/results.md, POP++), where training has a per-channel offset to move."""
+    configuration measured (docs/results.md, POP++), where training has a per-channel offset to move.
+    ``stop()`` (the time budget) ends training early, keeping the best weights so far (``_train``)."""
     check_cut(cut, model.config.get_text_config().num_hidden_layers)
     _check_windows(windows, config)
     split, report = _split(windows.shape[0], config), progress or (lambda event: None)
     moments = CutMoments(model, [cut], ridge=ridge, bias=bias)
     data = _precompute(model, windows, cut, config, _teacher_report(report, windows), moments)
-    return _distilled(model, data, windows, moments.fits()[cut], split, config, report)
+    return _distilled(model, data, windows, moments.fits()[cut], split, config, report, stop)
 
 
 def _teacher_report(report: Callable[[DistillProgress], None],
@@ -483,16 +506,17 @@ def _teacher_report(report: Callable[[DistillProgress], None],
 
 def _distilled(model, data: _Windows, windows: torch.Tensor, init: KVFit,
                split: tuple[torch.Tensor, torch.Tensor], config: DistillConfig,
-               report: Callable[[DistillProgress], None]) -> DistillResult:
+               report: Callable[[DistillProgress], None],
+               stop: Callable[[], bool] = lambda: False) -> DistillResult:
     """Train ``init``'s weights on the precomputed ``data`` of ``windows``, split (train, held out)."""
     train, held = split
     weights = _trainable(init.weights)
     with _frozen(model):
-        initial, best, steps = _train(model, data, weights, train, held, config, report)
+        initial, best, steps, stopped = _train(model, data, weights, train, held, config, report, stop)
     digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
     info = replace(init.info, tokens=windows.numel(), corpus_sha256=digest, method="distill")
     fit = check_finite(KVFit(info, best.weights), "the distilled fit")
-    return DistillResult(fit, initial, best.score, best.step, steps, tuple(held.tolist()), init)
+    return DistillResult(fit, initial, best.score, best.step, steps, tuple(held.tolist()), init, stopped)
 
 
 def default_windows(tokenizer, config: DistillConfig = DistillConfig(), *, seq_len: int = KVFitConfig.seq_len,

@@ -10,12 +10,15 @@
                    image+text windows (images.py: a synthetic image, then the text)
         distill -> distill.ridge_then_distill on [W, T] windows (POP++: the ridge fit, then trained; text
                    models only: a VLM is refused, ``check_method``)
+        both on KVFitConfig.device within KVFitConfig.budget_s (budget.py: the estimate, printed before
+        the fit; distill over the budget falls back to ridge; a fit that runs out stops with the best so far)
 
 Every default (ridge, bias, window length, steps, ...) is KVFitConfig's (config.py). Here, not in
 calibrate.py or distill.py, because it picks between them: distill builds on calibrate.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -25,9 +28,11 @@ import torch
 from ..config import FIT_METHODS, KVCalibration, KVFitConfig
 from ..errors import ConfigError
 from ..frontend.vision import is_vision_language
-from .calibrate import KVFit, check_fit, check_fit_shapes, default_batches, load_fit, ridge_fits
+from ..passes.pop import Projection
+from .budget import Deadline, FitPlan, on_device, plan_fit, resolve_device
+from .calibrate import KVFit, batch_kind, check_fit, check_fit_shapes, default_batches, load_fit, ridge_fits
 from .corpus import calibration_docs
-from .distill import DistillResult, default_windows, ridge_then_distill
+from .distill import DistillProgress, DistillResult, check_inputs, default_windows, ridge_then_distill
 from .images import ImageWindow, image_windows
 
 #: the step ``resolve_fit`` reports before distilling (driver.steps lists it for kv_calibration distill)
@@ -36,7 +41,8 @@ DISTILL_STEP = "distill"
 
 def resolve_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
            fit: KVFit | None = None, *, config: KVFitConfig | None = None,
-           step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit | None:
+           step: Callable[[str], None] | None = None, folder: str | Path | None = None,
+           progress: Callable | None = None) -> KVFit | None:
     """The K/V weights ``kv`` asks for at ``cut``, for every entry point (export, torch.compile, eval).
 
     none: plain POP (None). ridge: the ridge fit on the built-in corpus, now (needs ``tokenizer``; a
@@ -45,13 +51,13 @@ def resolve_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration |
     ``step("distill")`` is reported before it starts; text models only). auto: ``fit_method``'s. file: the
     fit read from it (or ``fit``, read earlier by ``load_file_fit``), checked against ``cut`` and the model's
     shapes. None as well when ``cut`` prunes nothing. ``config``: how the built-in fits are made (default
-    KVFitConfig(); its method is the mode's)."""
+    KVFitConfig(); its method is the mode's). ``progress``: the fit's events (``fit_on_tokens``)."""
     kv = KVCalibration.of(kv)
     layers = model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder
     if kv.fits_now and cut < layers:
         method = fit_method(model, kv)
         return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step,
-                           folder=folder)
+                           folder=folder, progress=progress)
     fit = resolve_file_fit(kv, cut, layers, fit)
     if fit is not None:
         check_fit_shapes(fit, model)
@@ -83,7 +89,8 @@ def fit_method(model: torch.nn.Module, kv: KVCalibration | str) -> str | None:
 
 
 def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig, *,
-                step: Callable[[str], None] | None = None, folder: str | Path | None = None) -> KVFit:
+                step: Callable[[str], None] | None = None, folder: str | Path | None = None,
+                progress: Callable | None = None) -> KVFit:
     """``fit_on_tokens`` on the built-in calibration corpus (``builtin_batches``). Distill at cut L-1 leaves
     no layer to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
     check_method(model, config)
@@ -91,7 +98,8 @@ def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig
         config = replace(config, method="ridge")
     if config.method == "distill":
         (step or (lambda name: None))(DISTILL_STEP)
-    return fit_on_tokens(model, builtin_batches(model, tokenizer, config, folder), cut, config)[0]
+    return fit_on_tokens(model, builtin_batches(model, tokenizer, config, folder), cut, config,
+                         progress=progress)[0]
 
 
 def builtin_batches(model: torch.nn.Module, tokenizer, config: KVFitConfig,
@@ -118,18 +126,63 @@ def builtin_tokens(tokenizer, config: KVFitConfig) -> list[torch.Tensor] | torch
 def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, cut: int,
             config: KVFitConfig, *, progress: Callable | None = None) -> tuple[KVFit, DistillResult | None]:
     """(the fit at ``cut``, the distillation's record or None) from token ids: batches [B, T] for ridge (a
-    list; ``progress(tokens done)``), windows [W, T] for distill (a tensor or a list of batches, stacked;
-    ``progress(DistillProgress)``), each with ``config``'s ridge and bias. Ridge also takes a vision-language
-    model's image+text windows (images.ImageWindow batches)."""
+    list), windows [W, T] for distill (a tensor or a list of batches, stacked), each with ``config``'s ridge
+    and bias. Ridge also takes a vision-language model's image+text windows (images.ImageWindow batches).
+
+    On ``config.device``, within ``config.budget_s`` (budget.py): ``progress`` gets the ``FitPlan`` first
+    (its ``line()``: the estimate; its ``fallback``: why distill became ridge, then fitted on the same
+    windows), then ``DistillProgress`` reports (phase "ridge": tokens, "teacher": windows, "train": steps).
+    Without ``progress`` a fallback is a warning. The fit's ``record`` says what ran (the manifest's
+    ``extra.kv_fit``); its weights are on the CPU."""
     check_method(model, config)
+    device = resolve_device(config.device)
+    report = progress or _warn_fallback
+    windows = None
     if config.method == "distill":
         windows = tokens if isinstance(tokens, torch.Tensor) else torch.cat(list(tokens))
-        result = ridge_then_distill(model, windows, cut, config.distill, ridge=config.ridge,
-                                    bias=config.fits_bias, progress=progress)
-        return result.fit, result
-    with torch.no_grad():
-        fits = ridge_fits(model, tokens, [cut], ridge=config.ridge, bias=config.fits_bias, progress=progress)
-    return fits[cut], None
+        check_inputs(model, windows, cut, config.distill)  # a bad input fails before the estimate is shown
+        shapes = [tuple(windows.shape)]
+    else:
+        tokens = list(tokens)
+        shapes = [tuple(batch_kind(b).ids(b).shape) for b in tokens]
+    plan = plan_fit(model, shapes, cut, config, device)
+    report(plan)
+    deadline, result, stopped = Deadline(config.budget_s), None, None
+    with on_device(model, device):
+        if plan.method == "distill":
+            result = ridge_then_distill(model, windows, cut, config.distill, ridge=config.ridge,
+                                        bias=config.fits_bias, progress=report, stop=deadline.passed)
+            fit = result.fit
+            if result.stopped == "budget":
+                stopped = f"stopped at step {result.steps_run} of {config.distill.steps}: budget"
+        else:
+            ridge = replace(config, method="ridge")
+            batches = list(tokens) if windows is None else list(windows.split(4))
+            total, done = sum(b.numel() for b in batches), [0]
+
+            def counted(count: int) -> None:
+                done[0] += count
+                report(DistillProgress("ridge", done[0], total))
+            with torch.no_grad():
+                fit = ridge_fits(model, batches, [cut], ridge=ridge.ridge, bias=ridge.fits_bias,
+                                 progress=counted, stop=deadline.passed)[cut]
+            if fit.info.tokens < total:
+                stopped = f"stopped after {fit.info.tokens} of {total} tokens: budget"
+    return replace(on_cpu(fit), record=plan.record(deadline.elapsed(), stopped)), result
+
+
+def on_cpu(fit: KVFit) -> KVFit:
+    """``fit`` with its weights on the CPU (a fit made on a GPU)."""
+    cpu = lambda t: None if t is None else t.detach().cpu()
+    weights = {i: {part: Projection(cpu(p.weight), cpu(p.bias)) for part, p in parts.items()}
+               for i, parts in fit.weights.items()}
+    return replace(fit, weights=weights)
+
+
+def _warn_fallback(event) -> None:
+    """Where nobody draws the fit's progress: its fallback, if any, as a warning (one line)."""
+    if isinstance(event, FitPlan) and event.fallback:
+        warnings.warn(event.fallback, stacklevel=3)
 
 
 def check_method(model: torch.nn.Module, config: KVFitConfig) -> None:

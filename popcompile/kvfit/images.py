@@ -80,6 +80,11 @@ class ImageWindow:
         """The batch's tokens (what a progress bar counts, as for a [B, T] batch of ids)."""
         return self.ids.numel()
 
+    def to(self, device: torch.device) -> ImageWindow:
+        """This batch on ``device`` (the K/V fit's, kvfit/budget.py)."""
+        images = ImageInputs(self.images.pixel_values.to(device), self.images.image_grid_thw.to(device))
+        return ImageWindow(self.ids.to(device), images)
+
 
 def capped_processing(config, folder: str | Path | None, max_tokens: int) -> dict:
     """The model's image processing (its folder's preprocessor_config.json, else Qwen3-VL's defaults) with

@@ -192,7 +192,9 @@ def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
     from ...config import DistillConfig, KVFitConfig
     from ...kvfit.fit import builtin_tokens, fit_on_tokens
 
-    fit_config = KVFitConfig(method="distill", distill=DistillConfig() if config is None else config)
+    # no time budget: the curve measures POP++ itself, which a fallback to POP+ would mislabel
+    fit_config = KVFitConfig(method="distill", distill=DistillConfig() if config is None else config,
+                             budget_s=None)
     fits: dict[int, Any] = {}
     windows: list = []  # the corpus, tokenized at the first cut asked for and reused for the others
 
@@ -201,7 +203,7 @@ def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
             windows[:] = windows or [builtin_tokens(loaded.tokenizer, fit_config)]
             with _bar(fit_config.distill.steps, f"distill cut {cut}") as bar:
                 def report(event) -> None:  # the training steps; the teacher pass over the windows is short
-                    if event.phase == "train":
+                    if getattr(event, "phase", None) == "train":  # not the FitPlan (its estimate)
                         bar.update(event.done - bar.n)
                 fitted, _ = fit_on_tokens(loaded.model, windows[0], cut, fit_config, progress=report)
                 fits[cut] = fitted.weights
