@@ -171,7 +171,7 @@ def test_export_help_names_the_distill_calibration_and_its_cost(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
-    assert "{auto,ridge,distill,none,FILE}" in text and "distill (POP++" in text and "4-5 min on CPU" in text
+    assert "{auto,ridge,distill,none,FILE}" in text and "distill (POP++" in text and "4-5 min at 135M" in text
     assert "auto (default: distill for a text model, ridge for a vision-language model)" in text
 
 
