@@ -14,7 +14,7 @@ from tiny_engine import has_tensorrt_gpu, tiny_hf_folder, tiny_tokenizer
 import popcompile
 from popcompile.cli import main
 from popcompile.config import DistillConfig, KVCalibration, KVFitConfig, PopConfig
-from popcompile.driver import compile, steps
+from popcompile.driver import StepRecord, compile, rss_bytes, steps
 from popcompile.engine.manifest import EngineManifest
 from popcompile.engine.tensorrt import TensorRTUnavailable
 from popcompile.errors import ConfigError
@@ -151,10 +151,16 @@ def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_
     config = PopConfig(cut=4, kv_calibration=fit_file, max_seq=64, min_prompt_tokens=0,
                        cut_choice={"method": "test"})
     seen: list[str] = []
-    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
+    records: list[StepRecord] = []
+    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append,
+                       measured=records.append)
     assert seen == steps(config) == ["load", "calibrate", "capture", "POP pass", "export decode graph",
                                      "export prefill graph", "fuse attention for onnxruntime",
                                      "write engine folder", "write manifest"]
+    # every step measured, the silent ones (cast, threshold) under their own names, in order
+    assert [r.name for r in records] == [*seen[:2], "cast", *seen[2:-1], "threshold", seen[-1]]
+    assert all(r.seconds >= 0 and r.peak_rss >= r.end_rss > 0 for r in records)
+    assert 2**24 < max(r.peak_rss for r in records) <= 4 * rss_bytes()  # bytes (not KiB or pages)
     on_disk = EngineManifest.read(tmp_path / "engine")
     assert on_disk == manifest and manifest.cut == 4 and manifest.kv_layout.max_seq == 64
     assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}
