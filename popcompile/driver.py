@@ -92,7 +92,7 @@ class Compilation:
         """What the target writes: every decision made, no config."""
         provenance = {"kv_calibration": dataclasses.asdict(self.fit.info) if self.fit else None,
                       "cut_choice": self.config.cut_choice and dict(self.config.cut_choice)}
-        return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance)
+        return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance, disposable=self.owned)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,11 @@ A writer only: ``write_engine`` fills the staged folder the driver (driver.py) h
 compile made (targets.Compiled: the graph pair, the model's tokenizer and configs, the provenance) and
 returns the folder's manifest; staging, locking, the threshold, writing the manifest (once) and the
 rename are the driver's.
+
+Memory: each graph goes from torch.onnx to a file with external data and back without its weights
+(scratch.py); the rewrites and the quantiser read one tensor at a time and move what they make back out to
+disk, so beyond the model's own weights (freed after the exports when the driver loaded the model:
+``release``) the writer holds about one tensor, plus torch.onnx's transient copy of the graph it exports.
 """
 from __future__ import annotations
 
@@ -31,16 +36,17 @@ from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
 from ..frontend.models import LoadedModel
 from ..frontend.vision import vision_record, vision_spec
 from ..ort_passes import ORT_PASSES, OrtContext
+from ..ort_passes.graph import tensor_array
 from ..passes.prefill import GraphPair
 from .quantize import quantize_weights
+from .scratch import INLINE_BYTES, Scratch, external, nbytes
 from .steps import ONNX_WRITE_STEPS, onnx_write_steps
 
 OPSET = 20
 WEIGHTS = "weights.bin"
 VISION_FILE = "vision.onnx"
 _ALIGN = 64
-# Small constants (shapes, axes) stay inside the graph: shape inference and parsers read them there.
-_INLINE_BYTES = 1024
+SCRATCH = ".scratch"
 
 
 @dataclass
@@ -51,6 +57,8 @@ class _Writing:
     loaded: LoadedModel
     pair: GraphPair
     quantization: WeightQuantization
+    release: bool = False  # the model's weights may be freed once the graphs are exported
+    scratch: Scratch | None = None
     decode: onnx.ModelProto | None = None
     prefill: onnx.ModelProto | None = None
     attention: dict = field(default_factory=dict)  # the manifest's entry: empty unless fused
@@ -65,30 +73,40 @@ class _Writing:
 
 
 def _export_decode(w: _Writing) -> None:
-    w.decode = to_onnx(w.pair.decode, w.pair, with_logits=True)
+    w.decode = to_onnx(w.pair.decode, w.pair, with_logits=True, scratch=w.scratch, name="decode.onnx")
 
 
 def _export_prefill(w: _Writing) -> None:
-    w.prefill = to_onnx(w.pair.prefill, w.pair, with_logits=w.pair.boundary == "folded")
+    w.prefill = to_onnx(w.pair.prefill, w.pair, with_logits=w.pair.boundary == "folded", scratch=w.scratch,
+                        name="prefill.onnx")
+    if w.release and vision_spec(w.loaded.model.config) is None:  # a VLM's record reads its vision tower
+        release_weights(w.loaded.model)
 
 
 def _export_vision(w: _Writing) -> None:
     from ..frontend.vision_encoder import capture_vision_encoder
 
     program = capture_vision_encoder(w.loaded.model)
-    w.vision = program_to_onnx(program, list(VISION_INPUTS), list(VISION_OUTPUTS))
+    w.vision = program_to_onnx(program, list(VISION_INPUTS), list(VISION_OUTPUTS), scratch=w.scratch,
+                               name=VISION_FILE)
 
 
 def _fuse(w: _Writing) -> None:
-    w.decode, w.prefill, w.attention = fuse_for_ort(w.decode, w.prefill, w.pair)
+    w.decode, w.prefill, w.attention = fuse_for_ort(w.decode, w.prefill, w.pair,
+                                                    spill=w.scratch.spill if w.scratch else None)
 
 
 def _quantize(w: _Writing) -> None:
     w.decode, w.prefill = (quantize_weights(proto, w.quantization) for proto in (w.decode, w.prefill))
+    if w.scratch is not None:
+        for proto in (w.decode, w.prefill):
+            w.scratch.spill(proto)
 
 
 def _write_folder(w: _Writing) -> None:
     w.weights_bytes = write_shared(w.folder, w.graphs)
+    if w.scratch is not None:
+        w.scratch.remove()
     # onnxruntime's SimplifiedLayerNormalization sits in the default domain, unknown to the checker
     for name in w.graphs:
         if not w.attention or name == VISION_FILE:
@@ -106,13 +124,14 @@ _RUN = dict(zip((step.name for step in ONNX_WRITE_STEPS),
 
 def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: dict,
                  step: Callable[[str], None], quantization: WeightQuantization,
-                 attention: str) -> EngineManifest:
+                 attention: str, release: bool = False) -> EngineManifest:
     """Both graphs, the shared weights, the tokenizer and HF config files into ``tmp``, through
     steps.ONNX_WRITE_STEPS (each reported to ``step``); returns their manifest (not written: the driver
     writes it once). ``attention`` as the target resolved it (OnnxTarget.lowering): fused, norms and
     attention as onnxruntime's contrib ops (ort_passes/__init__.py), or standard. ``provenance``: the
-    manifest's ``extra`` (how the K/V weights and the cut were chosen)."""
-    writing = _Writing(tmp, loaded, pair, quantization)
+    manifest's ``extra`` (how the K/V weights and the cut were chosen). ``release``: the model is the
+    driver's own, its weights freed once the graphs are exported (the module docstring's memory)."""
+    writing = _Writing(tmp, loaded, pair, quantization, release, Scratch(tmp / SCRATCH))
     vision = vision_spec(loaded.model.config) is not None
     for write_step in onnx_write_steps(attention, quantization.bits is not None, vision):
         step(write_step.name)
@@ -126,24 +145,45 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: di
                      quantization=quantization.to_manifest(), attention=writing.attention)
 
 
-def to_onnx(program, pair: GraphPair, *, with_logits: bool) -> onnx.ModelProto:
-    """One graph to ONNX with the KV layout's names and canonical dynamic dimension names."""
+def to_onnx(program, pair: GraphPair, *, with_logits: bool, scratch: Scratch | None = None,
+            name: str = "graph.onnx") -> onnx.ModelProto:
+    """One graph to ONNX with the KV layout's names and canonical dynamic dimension names (its weights in
+    ``scratch`` where given: ``program_to_onnx``)."""
     layout = pair.layout
     inputs = [*pair.inputs, *layout.past_names]
     outputs = (["logits"] if with_logits else []) + layout.present_names
-    proto = program_to_onnx(program, inputs, outputs)
+    proto = program_to_onnx(program, inputs, outputs, scratch=scratch, name=name)
     canonical_dims(proto)
     return proto
 
 
-def program_to_onnx(program, inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
-    """An exported program to ONNX (torch.onnx's dynamo exporter, optimised) with these tensor names."""
+def program_to_onnx(program, inputs: list[str], outputs: list[str], *, scratch: Scratch | None = None,
+                    name: str = "graph.onnx") -> onnx.ModelProto:
+    """An exported program to ONNX (torch.onnx's dynamo exporter, optimised) with these tensor names. With
+    ``scratch``, saved there as ``name`` with external data and read back without it (scratch.py): the
+    weights are never one protobuf in memory."""
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
         onnx_program = torch.onnx.export(
             program, (), dynamo=True, input_names=inputs, output_names=outputs,
             opset_version=OPSET, optimize=True, verify=False, report=False,
         )
-    return onnx_program.model_proto
+        if scratch is None:
+            return onnx_program.model_proto
+        path = scratch.folder / name
+        onnx_program.save(path, external_data=True)
+    del onnx_program
+    return scratch.load(path)
+
+
+def release_weights(model: torch.nn.Module) -> None:
+    """Free the storage of every parameter and buffer of ``model`` (and of every tensor sharing it: the
+    captured programs'): the exported graphs hold the weights now. The model is unusable afterwards; only a
+    model the driver loaded is released. Storage that cannot be resized (memory-mapped) is left."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        try:
+            tensor.untyped_storage().resize_(0)
+        except RuntimeError:
+            pass
 
 
 def canonical_dims(proto: onnx.ModelProto) -> None:
@@ -164,37 +204,27 @@ def canonical_dims(proto: onnx.ModelProto) -> None:
 
 
 def write_shared(folder: Path, graphs: dict[str, onnx.ModelProto]) -> int:
-    """Move every initializer of every graph into one weights file, each distinct tensor once."""
+    """Move every initializer of every graph into one weights file, each distinct tensor once (read one at a
+    time, from memory or a scratch file)."""
     offsets: dict[bytes, tuple[int, int]] = {}
     with open(folder / WEIGHTS, "wb") as blob:
         for name, proto in graphs.items():
             for tensor in proto.graph.initializer:
-                if _nbytes(tensor) >= _INLINE_BYTES:
+                if nbytes(tensor) >= INLINE_BYTES:
                     _externalize(tensor, blob, offsets)
             onnx.save_model(proto, str(folder / name))
         return blob.tell()
 
 
-def _nbytes(tensor: onnx.TensorProto) -> int:
-    count = 1
-    for dim in tensor.dims:
-        count *= dim
-    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-
-
 def _externalize(tensor: onnx.TensorProto, blob, offsets: dict[bytes, tuple[int, int]]) -> None:
-    raw = onnx.numpy_helper.to_array(tensor).tobytes()
+    raw = tensor_array(tensor).tobytes()
     key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
     if key not in offsets:
         blob.write(b"\0" * (-blob.tell() % _ALIGN))
         offsets[key] = (blob.tell(), len(raw))
         blob.write(raw)
     offset, length = offsets[key]
-    onnx.external_data_helper.set_external_data(tensor, WEIGHTS, offset=offset, length=length)
-    tensor.ClearField("raw_data")
-    for name in ("float_data", "int32_data", "int64_data", "double_data"):
-        tensor.ClearField(name)
-    tensor.data_location = onnx.TensorProto.EXTERNAL
+    external(tensor, WEIGHTS, offset, length)
 
 
 def _manifest(folder: Path, loaded: LoadedModel, pair: GraphPair, weights_bytes: int,
@@ -226,15 +256,19 @@ def _graph_entry(path: Path) -> GraphEntry:
                       sha256=hashlib.sha256(path.read_bytes()).hexdigest())
 
 
-def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto,
-                 pair: GraphPair) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto, pair: GraphPair,
+                 spill: Callable[[onnx.ModelProto], None] | None = None,
+                 ) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
     """Both graphs rewritten for onnxruntime's contrib ops by each of ``ORT_PASSES`` in turn
     (ort_passes/README.md: what each does and why it sits where it does), and the manifest's ``attention``
-    entry from what they record."""
+    entry from what they record. ``spill``: called on each graph after each pass (Scratch.spill: what the
+    pass made in memory, e.g. packed weights, moved to disk)."""
     graphs, recorded = {"decode": decode, "prefill": prefill}, {}
     context = OrtContext(pair.num_layers, pair.layout)
     for ort_pass in ORT_PASSES:
         recorded.update(ort_pass.run(graphs, context))
+        for proto in graphs.values() if spill else ():
+            spill(proto)
     lowering, rotary = recorded["layers"], recorded["rotary"]
     used = {op for forms in lowering.values() for op, layers in forms.items() if layers and op != "standard"}
     used |= {"RotaryEmbedding"} if any(rotary.values()) else set()

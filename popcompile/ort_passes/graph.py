@@ -1,15 +1,35 @@
 """What the ONNX-level rewrites (ort_passes/, in the order of ort_passes.ORT_PASSES) read and edit in a
 graph: who produces and who reads a tensor, a Transpose's permutation, renaming a tensor or pointing its
-readers elsewhere, the nodes in topological order, and the nodes no output needs removed.
+readers elsewhere, the nodes in topological order, and the nodes no output needs removed; an initializer's
+values (``tensor_array``), wherever they are kept.
 
 Each works on the ``onnx.GraphProto`` itself, in place: the weights are never copied.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
+
+
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """An initializer's values: in the proto, or (while the exporter keeps the weights out of memory,
+    exporters/scratch.py) in the file its external data names by absolute path, read for this tensor only.
+    Read-only where read from a file."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    if not os.path.isabs(info["location"]):
+        raise ValueError(f"initializer {tensor.name!r}: external data {info['location']!r} is relative; "
+                         "read the model with onnx.load (its folder resolves it)")
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    with open(info["location"], "rb") as handle:
+        handle.seek(int(info.get("offset", 0)))
+        data = handle.read(int(info["length"]))
+    return np.frombuffer(data, dtype).reshape(tuple(tensor.dims))
 
 
 def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:

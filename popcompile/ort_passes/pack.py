@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import drop_dead, readers
+from .graph import drop_dead, readers, tensor_array
 
 _PREFIX = "pop_pack"
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -77,7 +77,7 @@ def _groups(graph: onnx.GraphProto) -> list[list[_Member]]:
 
 
 def _digest(tensor: onnx.TensorProto) -> str:
-    array = numpy_helper.to_array(tensor)
+    array = tensor_array(tensor)
     return hashlib.sha256(f"{array.dtype}{array.shape}".encode() + array.tobytes()).hexdigest()
 
 
@@ -140,7 +140,7 @@ def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]]) -> int:
 def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int, adds: list | None) -> list:
     """One MatMul over the members' weights side by side ([K, N1+N2+..]), with ``adds`` one Add of their
     biases side by side ([N1+N2+..]), and the Split that gives each member (or its Add) its output."""
-    arrays = [numpy_helper.to_array(weights[node.input[1]]) for node in members]
+    arrays = [tensor_array(weights[node.input[1]]) for node in members]
     name = f"{_PREFIX}/{index}"
     graph.initializer.extend([numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight"),
                               numpy_helper.from_array(np.array([a.shape[1] for a in arrays], np.int64),
@@ -150,7 +150,7 @@ def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int, ad
     source, outputs = f"{name}/out", [node.output[0] for node in members]
     if adds is not None:
         initializers = {t.name: t for t in graph.initializer if len(t.dims) == 1}
-        biases = [numpy_helper.to_array(initializers[bias]) for _, bias in adds]
+        biases = [tensor_array(initializers[bias]) for _, bias in adds]
         graph.initializer.append(numpy_helper.from_array(np.concatenate(biases), f"{name}/bias"))
         nodes.append(helper.make_node("Add", [source, f"{name}/bias"], [f"{name}/biased"],
                                       name=f"{name}/add"))

@@ -1,0 +1,102 @@
+"""Where the ONNX writer keeps the weights while it rewrites the graphs: on disk, not in memory.
+
+Each graph is saved by torch.onnx straight to a file with its initializers as external data (tensor by
+tensor, never the whole model as one protobuf) and read back without them; from then on every large
+initializer (``INLINE_BYTES`` or more) names its bytes by absolute path, offset and length, and the rewrites
+read one tensor at a time (``ort_passes.graph.tensor_array``). What a rewrite creates in memory (a packed
+projection, a transposed head, quantised blocks) is moved out again by ``Scratch.spill`` after that rewrite,
+each distinct tensor once. ``write_shared`` then copies every tensor into weights.bin; the scratch folder,
+inside the staged engine folder, is removed when the folder is written (and with it on any failure)::
+
+    staged/.scratch/decode.onnx(.data), prefill.onnx(.data)   torch.onnx's files, as it saved them
+    staged/.scratch/spill.bin                                  what the rewrites made
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import onnx
+
+from ..ort_passes.graph import tensor_array
+
+#: tensors below this stay inside the graph: shapes and axes that shape inference and the rewrites read
+INLINE_BYTES = 1024
+_ALIGN = 64
+
+
+class Scratch:
+    """A folder of graphs and weights being written (module docstring)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder).resolve()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._spill = self.folder / "spill.bin"
+        self._offsets: dict[bytes, tuple[int, int]] = {}
+
+    def load(self, path: Path) -> onnx.ModelProto:
+        """The graph saved at ``path`` with its external data, its large tensors left in their file (named by
+        absolute path), the small ones read into the graph."""
+        proto = onnx.load(str(path), load_external_data=False)
+        base = Path(path).resolve().parent
+        for tensor in _initializers(proto):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {entry.key: entry for entry in tensor.external_data}
+            location = info["location"]
+            location.value = str(base / location.value)
+            if nbytes(tensor) < INLINE_BYTES:
+                _inline(tensor)
+        return proto
+
+    def spill(self, proto: onnx.ModelProto) -> None:
+        """Move each large initializer held in memory into spill.bin (each distinct tensor once)."""
+        with open(self._spill, "ab") as blob:
+            for tensor in _initializers(proto):
+                if tensor.data_location == onnx.TensorProto.EXTERNAL or nbytes(tensor) < INLINE_BYTES:
+                    continue
+                raw = tensor_array(tensor).tobytes()
+                key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
+                if key not in self._offsets:
+                    blob.write(b"\0" * (-blob.tell() % _ALIGN))
+                    self._offsets[key] = (blob.tell(), len(raw))
+                    blob.write(raw)
+                offset, length = self._offsets[key]
+                external(tensor, str(self._spill), offset, length)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """``tensor`` with its values dropped from the proto and named in ``location`` instead."""
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        tensor.ClearField(name)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def nbytes(tensor: onnx.TensorProto) -> int:
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def _inline(tensor: onnx.TensorProto) -> None:
+    array = tensor_array(tensor)
+    tensor.ClearField("external_data")
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = array.tobytes()
+
+
+def _initializers(proto: onnx.ModelProto):
+    """Every initializer of the graph and its subgraphs (none in ours but the exporter's If branches)."""
+    yield from proto.graph.initializer
+    for node in proto.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from attribute.g.initializer
