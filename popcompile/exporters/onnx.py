@@ -64,6 +64,7 @@ class _Writing:
     attention: dict = field(default_factory=dict)  # the manifest's entry: empty unless fused
     weights_bytes: int = 0
     vision: onnx.ModelProto | None = None  # a vision-language model's vision graph
+    pending: dict = field(default_factory=dict)  # file name -> torch.onnx's program, not yet optimised
 
     @property
     def graphs(self) -> dict[str, onnx.ModelProto]:
@@ -73,12 +74,26 @@ class _Writing:
 
 
 def _export_decode(w: _Writing) -> None:
-    w.decode = to_onnx(w.pair.decode, w.pair, with_logits=True, scratch=w.scratch, name="decode.onnx")
+    """torch.onnx's program of the decode graph, not yet optimised: its weights are the model's tensors."""
+    w.pending["decode.onnx"] = _exported(w.pair.decode, *_names(w.pair, with_logits=True), optimize=False)
 
 
 def _export_prefill(w: _Writing) -> None:
-    w.prefill = to_onnx(w.pair.prefill, w.pair, with_logits=w.pair.boundary == "folded", scratch=w.scratch,
-                        name="prefill.onnx")
+    """The prefill graph likewise; then both graphs' weight transposes folded once for the two (the model's
+    storage freed tensor by tensor where it is the driver's), both optimised and saved to the scratch folder
+    with external data, and read back without it."""
+    w.pending["prefill.onnx"] = _exported(w.pair.prefill, *_names(w.pair, w.pair.boundary == "folded"),
+                                          optimize=False)
+    fold_weight_transposes(list(w.pending.values()), free=w.release)
+    for name in list(w.pending):
+        program = w.pending.pop(name)
+        program.optimize()  # what torch.onnx.export(optimize=True) runs, its transposes folded already
+        path = w.scratch.folder / name
+        program.save(path, external_data=True)
+        del program
+        proto = w.scratch.load(path)
+        canonical_dims(proto)
+        w.decode, w.prefill = (proto, w.prefill) if name == "decode.onnx" else (w.decode, proto)
     if w.release and vision_spec(w.loaded.model.config) is None:  # a VLM's record reads its vision tower
         release_weights(w.loaded.model)
 
@@ -149,12 +164,22 @@ def to_onnx(program, pair: GraphPair, *, with_logits: bool, scratch: Scratch | N
             name: str = "graph.onnx") -> onnx.ModelProto:
     """One graph to ONNX with the KV layout's names and canonical dynamic dimension names (its weights in
     ``scratch`` where given: ``program_to_onnx``)."""
-    layout = pair.layout
-    inputs = [*pair.inputs, *layout.past_names]
-    outputs = (["logits"] if with_logits else []) + layout.present_names
-    proto = program_to_onnx(program, inputs, outputs, scratch=scratch, name=name)
+    proto = program_to_onnx(program, *_names(pair, with_logits), scratch=scratch, name=name)
     canonical_dims(proto)
     return proto
+
+
+def _names(pair: GraphPair, with_logits: bool) -> tuple[list[str], list[str]]:
+    """A text graph's input and output names: the interface's, then the KV layout's."""
+    layout = pair.layout
+    return [*pair.inputs, *layout.past_names], (["logits"] if with_logits else []) + layout.present_names
+
+
+def _exported(program, inputs: list[str], outputs: list[str], *, optimize: bool):
+    """torch.onnx's dynamo exporter on ``program`` (its ONNXProgram), with these tensor names."""
+    with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
+        return torch.onnx.export(program, (), dynamo=True, input_names=inputs, output_names=outputs,
+                                 opset_version=OPSET, optimize=optimize, verify=False, report=False)
 
 
 def program_to_onnx(program, inputs: list[str], outputs: list[str], *, scratch: Scratch | None = None,
@@ -162,17 +187,67 @@ def program_to_onnx(program, inputs: list[str], outputs: list[str], *, scratch: 
     """An exported program to ONNX (torch.onnx's dynamo exporter, optimised) with these tensor names. With
     ``scratch``, saved there as ``name`` with external data and read back without it (scratch.py): the
     weights are never one protobuf in memory."""
-    with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
-        onnx_program = torch.onnx.export(
-            program, (), dynamo=True, input_names=inputs, output_names=outputs,
-            opset_version=OPSET, optimize=True, verify=False, report=False,
-        )
-        if scratch is None:
-            return onnx_program.model_proto
-        path = scratch.folder / name
-        onnx_program.save(path, external_data=True)
+    onnx_program = _exported(program, inputs, outputs, optimize=True)
+    if scratch is None:
+        return onnx_program.model_proto
+    path = scratch.folder / name
+    onnx_program.save(path, external_data=True)
     del onnx_program
     return scratch.load(path)
+
+
+def fold_weight_transposes(programs: list, *, free: bool) -> int:
+    """Fold each ``Transpose(W, perm=[1, 0])`` of a 2-D weight it alone reads into the initializer ``W.T``
+    (named as its output, as onnxscript's constant folding does: it always folds a transpose of a weight it
+    is the single reader of), in every graph of ``programs`` (unoptimised ONNXPrograms) at once: a weight
+    the graphs share is transposed once. With ``free``, the model's storage of each weight is released as
+    soon as it is transposed and no graph reads it otherwise, so the model and its transposed copy never
+    both exist whole. Returns how many were folded."""
+    import onnx_ir as ir
+
+    def tensor(value) -> torch.Tensor | None:
+        raw = getattr(value.const_value, "raw", None)
+        return raw if isinstance(raw, torch.Tensor) else None
+
+    readers: dict[int, int] = {}  # storage -> how many initializers of all graphs read it
+    sites: dict[int, list] = {}  # storage -> the foldable transposes of it: (graph, node, weight)
+    for program in programs:
+        graph = program.model.graph
+        for value in graph.initializers.values():
+            if tensor(value) is not None:
+                key = tensor(value).untyped_storage().data_ptr()
+                readers[key] = readers.get(key, 0) + 1
+        for node in graph:
+            weight = node.inputs[0] if node.op_type == "Transpose" and node.domain == "" else None
+            if (weight is not None and weight.is_initializer() and len(weight.uses()) == 1
+                    and tensor(weight) is not None and tensor(weight).dim() == 2
+                    and list(node.attributes.get_ints("perm", [])) == [1, 0]):
+                key = tensor(weight).untyped_storage().data_ptr()
+                sites.setdefault(key, []).append((graph, node, weight))
+    for key, found in sites.items():
+        transposed: dict[tuple, object] = {}
+        for graph, node, weight in found:
+            raw, out = tensor(weight), node.outputs[0]
+            view = (raw.storage_offset(), tuple(raw.shape), raw.stride())
+            if view not in transposed:
+                transposed[view] = raw.detach().t().contiguous().numpy()
+            array = transposed[view]
+            value = ir.Value(name=out.name, shape=ir.Shape(array.shape), type=out.type,
+                             const_value=ir.Tensor(array, name=out.name))
+            ir.convenience.replace_all_uses_with(out, value)
+            graph.remove(node, safe=True)
+            graph.initializers.pop(weight.name)
+            graph.register_initializer(value)
+        if free and len(found) == readers[key]:
+            _free(tensor(found[0][2]))
+    return sum(len(found) for found in sites.values())
+
+
+def _free(tensor: torch.Tensor) -> None:
+    try:
+        tensor.untyped_storage().resize_(0)
+    except RuntimeError:  # not resizable (memory-mapped): left
+        pass
 
 
 def release_weights(model: torch.nn.Module) -> None:
@@ -180,10 +255,7 @@ def release_weights(model: torch.nn.Module) -> None:
     captured programs'): the exported graphs hold the weights now. The model is unusable afterwards; only a
     model the driver loaded is released. Storage that cannot be resized (memory-mapped) is left."""
     for tensor in [*model.parameters(), *model.buffers()]:
-        try:
-            tensor.untyped_storage().resize_(0)
-        except RuntimeError:
-            pass
+        _free(tensor)
 
 
 def canonical_dims(proto: onnx.ModelProto) -> None:
