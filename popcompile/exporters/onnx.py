@@ -107,15 +107,12 @@ def _export_vision(w: _Writing) -> None:
 
 
 def _fuse(w: _Writing) -> None:
-    w.decode, w.prefill, w.attention = fuse_for_ort(w.decode, w.prefill, w.pair,
-                                                    spill=w.scratch.spill if w.scratch else None)
+    w.decode, w.prefill, w.attention = fuse_for_ort(w.decode, w.prefill, w.pair, scratch=w.scratch)
 
 
 def _quantize(w: _Writing) -> None:
-    w.decode, w.prefill = (quantize_weights(proto, w.quantization) for proto in (w.decode, w.prefill))
-    if w.scratch is not None:
-        for proto in (w.decode, w.prefill):
-            w.scratch.spill(proto)
+    store = w.scratch.store if w.scratch else None
+    w.decode, w.prefill = (quantize_weights(proto, w.quantization, store) for proto in (w.decode, w.prefill))
 
 
 def _write_folder(w: _Writing) -> None:
@@ -329,18 +326,18 @@ def _graph_entry(path: Path) -> GraphEntry:
 
 
 def fuse_for_ort(decode: onnx.ModelProto, prefill: onnx.ModelProto, pair: GraphPair,
-                 spill: Callable[[onnx.ModelProto], None] | None = None,
-                 ) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+                 scratch: Scratch | None = None) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
     """Both graphs rewritten for onnxruntime's contrib ops by each of ``ORT_PASSES`` in turn
     (ort_passes/README.md: what each does and why it sits where it does), and the manifest's ``attention``
-    entry from what they record. ``spill``: called on each graph after each pass (Scratch.spill: what the
-    pass made in memory, e.g. packed weights, moved to disk)."""
+    entry from what they record. ``scratch``: where the weights are kept (scratch.py): a pass's large new
+    initializers go there as they are made (OrtContext.store), and anything else it left in memory after it
+    ran."""
     graphs, recorded = {"decode": decode, "prefill": prefill}, {}
-    context = OrtContext(pair.num_layers, pair.layout)
+    context = OrtContext(pair.num_layers, pair.layout, scratch.store if scratch else None)
     for ort_pass in ORT_PASSES:
         recorded.update(ort_pass.run(graphs, context))
-        for proto in graphs.values() if spill else ():
-            spill(proto)
+        for proto in graphs.values() if scratch else ():
+            scratch.spill(proto)
     lowering, rotary = recorded["layers"], recorded["rotary"]
     used = {op for forms in lowering.values() for op, layers in forms.items() if layers and op != "standard"}
     used |= {"RotaryEmbedding"} if any(rotary.values()) else set()

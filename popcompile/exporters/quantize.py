@@ -25,6 +25,7 @@ written as that quantiser writes it; the whole float model is never in memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -34,12 +35,14 @@ from ..config import WeightQuantization
 from ..ort_passes.graph import tensor_array
 
 
-def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization) -> onnx.ModelProto:
-    """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits; float: unchanged."""
+def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
+                     store: Callable[[onnx.TensorProto], None] | None = None) -> onnx.ModelProto:
+    """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits; float: unchanged.
+    ``store``: called on each new initializer as it is made (the writer's scratch file: out of memory)."""
     if quantization.bits is None:
         return proto
     quantizer_module = _import_quantizer()
-    untie_gemm_heads(proto)
+    untie_gemm_heads(proto, store)
     config = quantizer_module.DefaultWeightOnlyQuantConfig(block_size=quantization.block_size,
                                                            is_symmetric=True,
                                                            accuracy_level=quantization.accuracy_level,
@@ -57,8 +60,10 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization) -
         packed, scales, _ = blocks.qbits_block_quant(tensor_array(weight))
         names = (f"{weight.name}_Q{bits}", f"{weight.name}_scales")
         if names[0] not in quantized:  # a weight two MatMuls read is quantised once
-            graph.initializer.extend([numpy_helper.from_array(packed, names[0]),
-                                      numpy_helper.from_array(scales, names[1])])
+            made = [numpy_helper.from_array(packed, names[0]), numpy_helper.from_array(scales, names[1])]
+            for tensor in made if store else ():
+                store(tensor)
+            graph.initializer.extend(made)
             quantized.add(names[0])
         extra = {"accuracy_level": quantization.accuracy_level} if quantization.accuracy_level else {}
         nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], [node.output[0]],
@@ -85,7 +90,7 @@ def _drop_unread_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def untie_gemm_heads(proto: onnx.ModelProto) -> int:
+def untie_gemm_heads(proto: onnx.ModelProto, store: Callable[[onnx.TensorProto], None] | None = None) -> int:
     """Rewrite each ``Gemm(A, W, transB=1)`` over a 2-D float initializer W (alpha = beta = 1) into
     ``MatMul(A, W.T)`` (+ ``Add(C)`` when it has a bias), W.T a new initializer; returns how many."""
     weights = {t.name: t for t in proto.graph.initializer}
@@ -98,6 +103,9 @@ def untie_gemm_heads(proto: onnx.ModelProto) -> int:
         if name not in weights:
             transposed = np.ascontiguousarray(tensor_array(weights[node.input[1]]).T)
             weights[name] = numpy_helper.from_array(transposed, name)
+            del transposed
+            if store is not None:
+                store(weights[name])
             proto.graph.initializer.append(weights[name])
         product = f"{node.output[0]}.matmul" if len(node.input) > 2 else node.output[0]
         nodes.append(helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.name}.matmul"))

@@ -52,18 +52,22 @@ class Scratch:
 
     def spill(self, proto: onnx.ModelProto) -> None:
         """Move each large initializer held in memory into spill.bin (each distinct tensor once)."""
-        with open(self._spill, "ab") as blob:
-            for tensor in _initializers(proto):
-                if tensor.data_location == onnx.TensorProto.EXTERNAL or nbytes(tensor) < INLINE_BYTES:
-                    continue
-                raw = tensor_array(tensor).tobytes()
-                key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
-                if key not in self._offsets:
-                    blob.write(b"\0" * (-blob.tell() % _ALIGN))
-                    self._offsets[key] = (blob.tell(), len(raw))
-                    blob.write(raw)
-                offset, length = self._offsets[key]
-                external(tensor, str(self._spill), offset, length)
+        for tensor in _initializers(proto):
+            self.store(tensor)
+
+    def store(self, tensor: onnx.TensorProto) -> None:
+        """Move ``tensor``'s values into spill.bin if it is large and held in memory (once per content)."""
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or nbytes(tensor) < INLINE_BYTES:
+            return
+        raw = tensor_array(tensor).tobytes()
+        key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
+        if key not in self._offsets:
+            with open(self._spill, "ab") as blob:
+                blob.write(b"\0" * (-blob.tell() % _ALIGN))
+                self._offsets[key] = (blob.tell(), len(raw))
+                blob.write(raw)
+        offset, length = self._offsets[key]
+        external(tensor, str(self._spill), offset, length)
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
