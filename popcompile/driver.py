@@ -113,12 +113,15 @@ class CompileStep:
 
 def _load(c: Compilation) -> None:
     """The model, read straight in the engine's dtype where nothing runs it in float32 first (no K/V fit to
-    compute: none or a file); a bf16 checkpoint read as float16 rounds as the cast would. Otherwise float32,
-    cast after the fits."""
+    compute: none or a file); a bf16 checkpoint read as float16 rounds as the cast would. Then, for a target
+    that writes graphs, it is built without its weights (``load_model(lazy=True)``): capture traces shapes
+    only, and the ONNX writer reads each weight from the checkpoint as it writes it. Otherwise float32, cast
+    after the fits."""
     owned = not isinstance(c.source, LoadedModel)
     if owned:
-        dtype = getattr(torch, c.config.dtype) if _reads_in_engine_dtype(c.config) else torch.float32
-        c.loaded = load_model(c.source, dtype=dtype, revision=c.revision)
+        direct = _reads_in_engine_dtype(c.config)
+        dtype = getattr(torch, c.config.dtype) if direct else torch.float32
+        c.loaded = load_model(c.source, dtype=dtype, revision=c.revision, lazy=direct and c.target.graphs)
     else:
         c.loaded = c.source
     c.owned = owned

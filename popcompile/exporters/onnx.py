@@ -33,7 +33,7 @@ import torch
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, format_version, sha256_file
 from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
-from ..frontend.models import LoadedModel
+from ..frontend.models import LazyWeights, LoadedModel
 from ..frontend.vision import vision_record, vision_spec
 from ..ort_passes import ORT_PASSES, OrtContext
 from ..ort_passes.graph import tensor_array
@@ -84,7 +84,10 @@ def _export_prefill(w: _Writing) -> None:
     with external data, and read back without it."""
     w.pending["prefill.onnx"] = _exported(w.pair.prefill, *_names(w.pair, w.pair.boundary == "folded"),
                                           optimize=False)
-    fold_weight_transposes(list(w.pending.values()), free=w.release)
+    lazy = w.loaded.lazy
+    fold_weight_transposes(list(w.pending.values()), free=w.release, read=lazy.read if lazy else None)
+    if lazy is not None:
+        read_lazily(list(w.pending.values()), lazy)
     for name in list(w.pending):
         program = w.pending.pop(name)
         program.optimize()  # what torch.onnx.export(optimize=True) runs, its transposes folded already
@@ -193,13 +196,15 @@ def program_to_onnx(program, inputs: list[str], outputs: list[str], *, scratch: 
     return scratch.load(path)
 
 
-def fold_weight_transposes(programs: list, *, free: bool) -> int:
+def fold_weight_transposes(programs: list, *, free: bool,
+                           read: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
     """Fold each ``Transpose(W, perm=[1, 0])`` of a 2-D weight it alone reads into the initializer ``W.T``
     (named as its output, as onnxscript's constant folding does: it always folds a transpose of a weight it
     is the single reader of), in every graph of ``programs`` (unoptimised ONNXPrograms) at once: a weight
     the graphs share is transposed once. With ``free``, the model's storage of each weight is released as
     soon as it is transposed and no graph reads it otherwise, so the model and its transposed copy never
-    both exist whole. Returns how many were folded."""
+    both exist whole. ``read``: a weight's values from a placeholder (``LazyWeights.read``: the model was
+    built without its weights). Returns how many were folded."""
     import onnx_ir as ir
 
     def tensor(value) -> torch.Tensor | None:
@@ -227,9 +232,10 @@ def fold_weight_transposes(programs: list, *, free: bool) -> int:
             raw, out = tensor(weight), node.outputs[0]
             view = (raw.storage_offset(), tuple(raw.shape), raw.stride())
             if view not in transposed:
-                transposed[view] = raw.detach().t().contiguous().numpy()
+                transposed[view] = (read(raw) if read else raw).detach().t().contiguous().numpy()
             array = transposed[view]
-            value = ir.Value(name=out.name, shape=ir.Shape(array.shape), type=out.type,
+            value = ir.Value(name=out.name, shape=ir.Shape(array.shape),
+                             type=out.type or ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                              const_value=ir.Tensor(array, name=out.name))
             ir.convenience.replace_all_uses_with(out, value)
             graph.remove(node, safe=True)
@@ -238,6 +244,21 @@ def fold_weight_transposes(programs: list, *, free: bool) -> int:
         if free and len(found) == readers[key]:
             _free(tensor(found[0][2]))
     return sum(len(found) for found in sites.values())
+
+
+def read_lazily(programs: list, lazy: LazyWeights) -> None:
+    """Every initializer of ``programs`` that is a placeholder (a model built without its weights) read from
+    its checkpoint when it is used (optimised, saved), one tensor at a time, never kept."""
+    import onnx_ir as ir
+
+    for program in programs:
+        for value in program.model.graph.initializers.values():
+            raw = getattr(value.const_value, "raw", None)
+            if isinstance(raw, torch.Tensor) and lazy.key(raw) is not None:
+                tensor = value.const_value
+                value.const_value = ir.LazyTensor(
+                    lambda raw=raw: ir.Tensor(lazy.read(raw).detach().contiguous().numpy()),
+                    dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
 
 
 def _free(tensor: torch.Tensor) -> None:
