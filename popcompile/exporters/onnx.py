@@ -231,17 +231,22 @@ def fold_weight_transposes(programs: list, *, free: bool,
         for graph, node, weight in found:
             raw, out = tensor(weight), node.outputs[0]
             view = (raw.storage_offset(), tuple(raw.shape), raw.stride())
-            if view not in transposed:
-                transposed[view] = (read(raw) if read else raw).detach().t().contiguous().numpy()
-            array = transposed[view]
-            value = ir.Value(name=out.name, shape=ir.Shape(array.shape),
-                             type=out.type or ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                             const_value=ir.Tensor(array, name=out.name))
+            dtype, shape = weight.const_value.dtype, ir.Shape(tuple(raw.shape)[::-1])
+            if read is not None:  # a placeholder: read and transposed when saved, one tensor at a time
+                const = ir.LazyTensor(
+                    lambda raw=raw: ir.Tensor(read(raw).detach().t().contiguous().numpy()),
+                    dtype=dtype, shape=shape, name=out.name)
+            else:
+                if view not in transposed:
+                    transposed[view] = raw.detach().t().contiguous().numpy()
+                const = ir.Tensor(transposed[view], name=out.name)
+            value = ir.Value(name=out.name, shape=shape, type=out.type or ir.TensorType(dtype),
+                             const_value=const)
             ir.convenience.replace_all_uses_with(out, value)
             graph.remove(node, safe=True)
             graph.initializers.pop(weight.name)
             graph.register_initializer(value)
-        if free and len(found) == readers[key]:
+        if free and read is None and len(found) == readers[key]:  # (a placeholder holds nothing to free)
             _free(tensor(found[0][2]))
     return sum(len(found) for found in sites.values())
 
