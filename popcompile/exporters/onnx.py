@@ -12,10 +12,13 @@ compile made (targets.Compiled: the graph pair, the model's tokenizer and config
 returns the folder's manifest; staging, locking, the threshold, writing the manifest (once) and the
 rename are the driver's.
 
-Memory: each graph goes from torch.onnx to a file with external data and back without its weights
-(scratch.py); the rewrites and the quantiser read one tensor at a time and move what they make back out to
-disk, so beyond the model's own weights (freed after the exports when the driver loaded the model:
-``release``) the writer holds about one tensor, plus torch.onnx's transient copy of the graph it exports.
+Memory: both graphs are exported unoptimised (their weights are the model's tensors), their weight
+transposes folded once for both (``fold_weight_transposes``: what torch.onnx's optimiser would do with a
+second float32 copy of every projection), then each is optimised, saved with external data and read back
+without it (scratch.py); the rewrites and the quantiser read one tensor at a time and move what they make
+back out to disk. A model built without its weights (``LoadedModel.lazy``) has each read from its checkpoint
+as it is saved; a loaded one has its storage freed as its transposes are made (``release``: the driver's
+own). So the writer holds about one tensor at a time beyond the model.
 """
 from __future__ import annotations
 

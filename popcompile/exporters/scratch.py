@@ -1,7 +1,8 @@
 """Where the ONNX writer keeps the weights while it rewrites the graphs: on disk, not in memory.
 
 Each graph is saved by torch.onnx straight to a file with its initializers as external data (tensor by
-tensor, never the whole model as one protobuf) and read back without them; from then on every large
+tensor, never the whole model as one protobuf; a model built without its weights has each read from its
+checkpoint there, frontend.models.LazyWeights) and read back without them; from then on every large
 initializer (``INLINE_BYTES`` or more) names its bytes by absolute path, offset and length, and the rewrites
 read one tensor at a time (``ort_passes.graph.tensor_array``). What a rewrite creates in memory (a packed
 projection, a transposed head, quantised blocks) is moved out again by ``Scratch.spill`` after that rewrite,
