@@ -94,10 +94,8 @@ def _export_prefill(w: _Writing) -> None:
     for name in list(w.pending):
         program = w.pending.pop(name)
         program.optimize()  # what torch.onnx.export(optimize=True) runs, its transposes folded already
-        path = w.scratch.folder / name
-        program.save(path, external_data=True)
+        proto = w.scratch.save(program, name)
         del program
-        proto = w.scratch.load(path)
         canonical_dims(proto)
         w.decode, w.prefill = (proto, w.prefill) if name == "decode.onnx" else (w.decode, proto)
     if w.release and vision_spec(w.loaded.model.config) is None:  # a VLM's record reads its vision tower

@@ -1,16 +1,17 @@
 """Where the ONNX writer keeps the weights while it rewrites the graphs: on disk, not in memory.
 
-Each graph is saved by torch.onnx straight to a file with its initializers as external data (tensor by
-tensor, never the whole model as one protobuf; a model built without its weights has each read from its
-checkpoint there, frontend.models.LazyWeights) and read back without them; from then on every large
+Each text graph is saved by torch.onnx without its initializers, which ``Scratch.save`` then writes tensor by
+tensor (never the whole model as one protobuf; a model built without its weights has each read from its
+checkpoint there, frontend.models.LazyWeights) into one file for both graphs, each distinct tensor once (a
+vision graph is saved by torch.onnx with external data and read back, ``load``); from then on every large
 initializer (``INLINE_BYTES`` or more) names its bytes by absolute path, offset and length, and the rewrites
 read one tensor at a time (``ort_passes.graph.tensor_array``). What a rewrite creates in memory (a packed
 projection, a transposed head, quantised blocks) is moved out again by ``Scratch.spill`` after that rewrite,
 each distinct tensor once. ``write_shared`` then copies every tensor into weights.bin; the scratch folder,
 inside the staged engine folder, is removed when the folder is written (and with it on any failure)::
 
-    staged/.scratch/decode.onnx(.data), prefill.onnx(.data)   torch.onnx's files, as it saved them
-    staged/.scratch/spill.bin                                  what the rewrites made
+    staged/.scratch/decode.onnx, prefill.onnx    the graphs as torch.onnx saved them, no initializers
+    staged/.scratch/spill.bin                     every large tensor: the graphs' and what the rewrites made
 """
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ class Scratch:
                 _inline(tensor)
         return proto
 
+    def save(self, program, name: str) -> onnx.ModelProto:
+        """torch.onnx's ``program`` as a graph with its large initializers in spill.bin, each distinct
+        tensor once for all the graphs saved here (decode and prefill share most weights: one copy on disk),
+        read one at a time (a lazy one from its checkpoint)."""
+        path = self.folder / name
+        values = list(program.model.graph.initializers.values())
+        program.save(path, include_initializers=False)
+        proto = onnx.load(str(path))
+        for value in values:
+            tensor = value.const_value
+            made = onnx.TensorProto(name=value.name, data_type=tensor.dtype.value, dims=list(tensor.shape))
+            made.raw_data = tensor.tobytes()  # a lazy tensor is read now, from its checkpoint
+            self.store(made)
+            proto.graph.initializer.append(made)
+        return proto
+
     def spill(self, proto: onnx.ModelProto) -> None:
         """Move each large initializer held in memory into spill.bin (each distinct tensor once)."""
         for tensor in _initializers(proto):
@@ -60,7 +77,7 @@ class Scratch:
         """Move ``tensor``'s values into spill.bin if it is large and held in memory (once per content)."""
         if tensor.data_location == onnx.TensorProto.EXTERNAL or nbytes(tensor) < INLINE_BYTES:
             return
-        raw = tensor_array(tensor).tobytes()
+        raw = tensor.raw_data if tensor.HasField("raw_data") else tensor_array(tensor).tobytes()
         key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
         if key not in self._offsets:
             with open(self._spill, "ab") as blob:
