@@ -11,7 +11,9 @@ each distinct tensor once. ``write_shared`` then copies every tensor into weight
 inside the staged engine folder, is removed when the folder is written (and with it on any failure)::
 
     staged/.scratch/decode.onnx, prefill.onnx    the graphs as torch.onnx saved them, no initializers
-    staged/.scratch/spill.bin                     every large tensor: the graphs' and what the rewrites made
+    staged/.scratch/spill.bin                     every large tensor: the graphs' and what the rewrites made,
+    staged/.scratch/spill.bf16bits                 but float32 tensors of bf16 values (a bf16 checkpoint's):
+                                                  their upper halves only, half the disk
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import hashlib
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 
-from ..ort_passes.graph import tensor_array
+from ..ort_passes.graph import BFLOAT16_BITS, tensor_array
 
 #: tensors below this stay inside the graph: shapes and axes that shape inference and the rewrites read
 INLINE_BYTES = 1024
@@ -35,7 +38,8 @@ class Scratch:
         self.folder = Path(folder).resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self._spill = self.folder / "spill.bin"
-        self._offsets: dict[bytes, tuple[int, int]] = {}
+        self._halves = self.folder / f"spill{BFLOAT16_BITS}"
+        self._offsets: dict[bytes, tuple[Path, int, int]] = {}  # file, offset, length
 
     def load(self, path: Path) -> onnx.ModelProto:
         """The graph saved at ``path`` with its external data, its large tensors left in their file (named by
@@ -80,12 +84,14 @@ class Scratch:
         raw = tensor.raw_data if tensor.HasField("raw_data") else tensor_array(tensor).tobytes()
         key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
         if key not in self._offsets:
-            with open(self._spill, "ab") as blob:
+            halves = _bfloat16_halves(raw) if tensor.data_type == onnx.TensorProto.FLOAT else None
+            path, data = (self._spill, raw) if halves is None else (self._halves, halves)
+            with open(path, "ab") as blob:
                 blob.write(b"\0" * (-blob.tell() % _ALIGN))
-                self._offsets[key] = (blob.tell(), len(raw))
-                blob.write(raw)
-        offset, length = self._offsets[key]
-        external(tensor, str(self._spill), offset, length)
+                self._offsets[key] = (path, blob.tell(), len(data))
+                blob.write(data)
+        path, offset, length = self._offsets[key]
+        external(tensor, str(path), offset, length)
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -99,6 +105,15 @@ def external(tensor: onnx.TensorProto, location: str, offset: int, length: int) 
     for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
         tensor.ClearField(name)
     tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _bfloat16_halves(raw: bytes) -> bytes | None:
+    """The upper 16 bits of each float32 in ``raw`` where every lower half is zero (the values are exactly
+    bfloat16: a bf16 checkpoint's weights, transposed or packed), else None. Half the scratch on disk."""
+    words = np.frombuffer(raw, np.uint32)
+    if (words & 0xFFFF).any():
+        return None
+    return (words >> 16).astype(np.uint16).tobytes()
 
 
 def nbytes(tensor: onnx.TensorProto) -> int:

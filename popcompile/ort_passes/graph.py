@@ -29,7 +29,15 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     with open(info["location"], "rb") as handle:
         handle.seek(int(info.get("offset", 0)))
         data = handle.read(int(info["length"]))
+    if info["location"].endswith(BFLOAT16_BITS):  # float32 values stored as their upper 16 bits (bf16 values)
+        upper = np.frombuffer(data, np.uint16).astype(np.uint32)
+        return (upper << 16).view(np.float32).reshape(tuple(tensor.dims))
     return np.frombuffer(data, dtype).reshape(tuple(tensor.dims))
+
+
+#: how the name of the exporter's scratch file ends (exporters/scratch.py) where its float32 tensors are
+#: stored as the upper halves of their values, whose lower halves are all zero (a bf16 checkpoint's weights)
+BFLOAT16_BITS = ".bf16bits"
 
 
 def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
