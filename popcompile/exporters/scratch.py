@@ -12,8 +12,11 @@ inside the staged engine folder, is removed when the folder is written (and with
 
     staged/.scratch/decode.onnx, prefill.onnx    the graphs as torch.onnx saved them, no initializers
     staged/.scratch/spill.bin                     every large tensor: the graphs' and what the rewrites made,
-    staged/.scratch/spill.bf16bits                 but float32 tensors of bf16 values (a bf16 checkpoint's):
-                                                  their upper halves only, half the disk
+    staged/.scratch/spill.bf16bits                 but large float32 tensors of bf16 values (a bf16
+                                                  checkpoint's): their upper halves only, half the disk
+
+Only the exporter's own code reads spill.bf16bits (``tensor_array``): the one rewrite that hands the graphs
+to another library, onnxscript's fusions (ort_passes/attention.py), sees tensors that large by shape only.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..ort_passes.attention import LARGE_BYTES
 from ..ort_passes.graph import BFLOAT16_BITS, tensor_array
 
 #: tensors below this stay inside the graph: shapes and axes that shape inference and the rewrites read
@@ -84,7 +88,8 @@ class Scratch:
         raw = tensor.raw_data if tensor.HasField("raw_data") else tensor_array(tensor).tobytes()
         key = hashlib.sha256(raw + str((tensor.data_type, tuple(tensor.dims))).encode()).digest()
         if key not in self._offsets:
-            halves = _bfloat16_halves(raw) if tensor.data_type == onnx.TensorProto.FLOAT else None
+            halves = (_bfloat16_halves(raw) if tensor.data_type == onnx.TensorProto.FLOAT
+                      and len(raw) >= LARGE_BYTES else None)
             path, data = (self._spill, raw) if halves is None else (self._halves, halves)
             with open(path, "ab") as blob:
                 blob.write(b"\0" * (-blob.tell() % _ALIGN))

@@ -15,6 +15,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The size of an initializer's values in bytes, wherever they are kept."""
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
 def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     """An initializer's values: in the proto, or (while the exporter keeps the weights out of memory,
     exporters/scratch.py) in the file its external data names by absolute path, read for this tensor only.
