@@ -31,6 +31,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import resource
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +75,7 @@ class Compilation:
     force: bool
     report: Callable[[str], None]
     fit_progress: Callable | None = None  # the K/V fit's events (kvfit.fit.fit_on_tokens): plan, progress
+    revision: str | None = None           # a hub id's branch, tag or commit (load)
     early_fit: KVFit | None = None        # a calibration file, read before the model loads
     loaded: LoadedModel | None = None     # load; calibrate replaces its model by the cast one
     owned: bool = False                   # load: the driver loaded the model, so it may cast it in place
@@ -92,7 +97,7 @@ class Compilation:
                       "cut_choice": self.config.cut_choice and dict(self.config.cut_choice)}
         if self.fit is not None and self.fit.record is not None:  # fitted now: how, where, how long
             provenance["kv_fit"] = dict(self.fit.record)
-        return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance)
+        return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance, disposable=self.owned)
 
 
 @dataclass(frozen=True)
@@ -112,8 +117,24 @@ class CompileStep:
 
 
 def _load(c: Compilation) -> None:
+    """The model, read straight in the engine's dtype where nothing runs it in float32 first (no K/V fit to
+    compute: none or a file); a bf16 checkpoint read as float16 rounds as the cast would. Then, for a target
+    that writes graphs, it is built without its weights (``load_model(lazy=True)``): capture traces shapes
+    only, and the ONNX writer reads each weight from the checkpoint as it writes it. Otherwise float32, cast
+    after the fits."""
     owned = not isinstance(c.source, LoadedModel)
-    c.loaded, c.owned = (load_model(c.source) if owned else c.source), owned
+    if owned:
+        direct = _reads_in_engine_dtype(c.config)
+        dtype = getattr(torch, c.config.dtype) if direct else torch.float32
+        c.loaded = load_model(c.source, dtype=dtype, revision=c.revision, lazy=direct and c.target.graphs)
+    else:
+        c.loaded = c.source
+    c.owned = owned
+
+
+def _reads_in_engine_dtype(config: PopConfig) -> bool:
+    """No K/V fit runs the model (it is computed in float32): the model may load in the engine's dtype."""
+    return config.kv_calibration.mode in ("none", "file")
 
 
 def _calibrate(c: Compilation) -> None:
@@ -189,34 +210,136 @@ COMPILE_STEPS = (
 
 def compile(model: str | Path | LoadedModel, config: PopConfig | None = None, *, out: str | Path,  # noqa: A001
             target: str | Target = "onnx", force: bool = False,
-            progress: Callable[[str], None] | None = None,
-            fit_progress: Callable | None = None) -> EngineManifest | ServingFolder:
+            progress: Callable[[str], None] | None = None, fit_progress: Callable | None = None,
+            revision: str | None = None,
+            measured: Callable[[StepRecord], None] | None = None) -> EngineManifest | ServingFolder:
     """Compile ``model`` with POP into the engine folder ``out``; returns its manifest (module docstring), for
     the vllm target a ServingFolder. ``progress(name)`` before each step; ``fit_progress(event)`` inside the
     K/V fit (kvfit.fit.fit_on_tokens: the FitPlan with its estimate, then DistillProgress; without it a
-    fallback to ridge is a warning)."""
+    fallback to ridge is a warning). ``revision``: a hub id's branch, tag or commit. ``measured`` receives a
+    ``StepRecord`` (wall time, peak resident memory) for each step as it ends (``StepMeter``)."""
     config, target, out = config or PopConfig(), target_for(target), Path(out)
     target.preflight(config)
     target = target.for_config(config)  # e.g. the attention lowering, decided once for this dtype
-    c = Compilation(model, config, target, out, force, progress or (lambda name: None), fit_progress)
+    meter = StepMeter(measured or (lambda record: None))
+    c = Compilation(model, config, target, out, force, meter.reporting(progress or (lambda name: None)),
+                    fit_progress=fit_progress, revision=revision)
     check_output_folder(out, force)
     c.early_fit = load_file_fit(config.kv_calibration)  # a bad file fails now, not after the model loads
     plan = [step for step in COMPILE_STEPS if step.applies(config, target)]
-    with destination_lock(out):
+    with destination_lock(out), meter:
         check_output_folder(out, force)  # again: another export may have finished while we waited
         for step in (s for s in plan if not s.staged):
-            _run(step, c)
+            _run(step, c, meter)
         with staged_folder(out, replace=force) as c.folder:
             for step in (s for s in plan if s.staged):
-                _run(step, c)
+                _run(step, c, meter)
             check_output_folder(out, force)  # nothing but an engine folder is ever swapped out
     return c.manifest
 
 
-def _run(step: CompileStep, c: Compilation) -> None:
+def _run(step: CompileStep, c: Compilation, meter: StepMeter) -> None:
+    """One step; the meter starts a record at each name reported (a step without progress names, e.g. cast,
+    is recorded under its own name; the target's write step under each of its steps' names)."""
     if step.names is None:
         c.report(step.name)
+    elif not step.progress_names(c.target):
+        meter.start(step.name)
     step.run(c)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of a compile as measured: wall seconds, and the process's resident memory (bytes): the highest
+    sampled while it ran, and at its end."""
+
+    name: str
+    seconds: float
+    peak_rss: int
+    end_rss: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "seconds": round(self.seconds, 3), "peak_rss_bytes": self.peak_rss,
+                "end_rss_bytes": self.end_rss}
+
+
+class StepMeter:
+    """Times each step of a compile and samples the process's resident set size (RSS) while it runs.
+
+    The peak per step is *sampled*: a daemon thread reads /proc/self/statm every ``interval`` seconds (and at
+    each step's start and end), so a spike shorter than the interval can be missed. getrusage's ru_maxrss (a
+    process-lifetime peak, never lowered) is folded in wherever it rose during the step, so no step's peak is
+    below the true peak when that peak was reached within it. Where /proc is missing (not Linux) only
+    ru_maxrss is read: then each step's peak is the running peak of the process so far.
+    """
+
+    def __init__(self, sink: Callable[[StepRecord], None], interval: float = 0.02) -> None:
+        self._sink, self._interval = sink, interval
+        self._lock = threading.Lock()
+        self._name: str | None = None
+        self._started = self._peak = self._maxrss = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def reporting(self, progress: Callable[[str], None]) -> Callable[[str], None]:
+        """``progress`` that also starts a record at each name."""
+        def report(name: str) -> None:
+            self.start(name)
+            progress(name)
+        return report
+
+    def start(self, name: str) -> None:
+        """Ends the step running (its record to the sink) and starts ``name``."""
+        self._finish()
+        rss = rss_bytes()
+        with self._lock:
+            self._name, self._started, self._peak, self._maxrss = name, time.perf_counter(), rss, _maxrss()
+
+    def __enter__(self) -> StepMeter:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="popcompile-step-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if exc[0] is None:
+            self._finish()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            rss = rss_bytes()
+            with self._lock:
+                self._peak = max(self._peak, rss)
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._name is None:
+                return
+            end, maxrss = rss_bytes(), _maxrss()
+            peak = max(self._peak, end, maxrss if maxrss > self._maxrss or not _HAS_STATM else 0)
+            record = StepRecord(self._name, time.perf_counter() - self._started, peak, end)
+            self._name = None
+        self._sink(record)
+
+
+_HAS_STATM = os.path.exists("/proc/self/statm")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """The process's resident set size now (bytes); ru_maxrss where /proc is missing."""
+    if not _HAS_STATM:
+        return _maxrss()
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * _PAGE
+
+
+def _maxrss() -> int:
+    """getrusage's lifetime peak RSS in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:

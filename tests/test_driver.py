@@ -13,14 +13,14 @@ from tiny_engine import has_tensorrt_gpu, tiny_hf_folder, tiny_tokenizer
 
 import popcompile
 from popcompile.cli import main
-from popcompile.config import DistillConfig, KVCalibration, KVFitConfig, PopConfig
-from popcompile.driver import compile, steps
+from popcompile.config import DistillConfig, KVCalibration, KVFitConfig, PopConfig, WeightQuantization
+from popcompile.driver import StepRecord, compile, rss_bytes, steps
 from popcompile.engine.manifest import EngineManifest
 from popcompile.engine.tensorrt import TensorRTUnavailable
 from popcompile.errors import ConfigError
 from popcompile.exporters.targets import TARGETS, OnnxTarget, TensorRTTarget, target_for
 from popcompile.exporters.tensorrt import TrtBuildConfig
-from popcompile.frontend.models import LoadedModel, ModelSource
+from popcompile.frontend.models import LoadedModel, ModelSource, load_model
 from popcompile.kvfit.calibrate import ridge_fit, save_fit
 
 LAYERS = 6
@@ -151,10 +151,16 @@ def test_compile_reports_its_named_steps_and_writes_the_config(tiny_folder, tmp_
     config = PopConfig(cut=4, kv_calibration=fit_file, max_seq=64, min_prompt_tokens=0,
                        cut_choice={"method": "test"})
     seen: list[str] = []
-    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append)
+    records: list[StepRecord] = []
+    manifest = compile(str(tiny_folder), config, out=tmp_path / "engine", progress=seen.append,
+                       measured=records.append)
     assert seen == steps(config) == ["load", "calibrate", "capture", "POP pass", "export decode graph",
                                      "export prefill graph", "fuse attention for onnxruntime",
                                      "write engine folder", "write manifest"]
+    # every step measured, the silent ones (cast, threshold) under their own names, in order
+    assert [r.name for r in records] == [*seen[:2], "cast", *seen[2:-1], "threshold", seen[-1]]
+    assert all(r.seconds >= 0 and r.peak_rss >= r.end_rss > 0 for r in records)
+    assert 2**24 < max(r.peak_rss for r in records) <= 4 * rss_bytes()  # bytes (not KiB or pages)
     on_disk = EngineManifest.read(tmp_path / "engine")
     assert on_disk == manifest and manifest.cut == 4 and manifest.kv_layout.max_seq == 64
     assert manifest.min_prompt_tokens == 0 and manifest.extra["cut_choice"] == {"method": "test"}
@@ -205,3 +211,17 @@ def test_public_api_names_resolve():
     for name in popcompile.__all__:
         assert getattr(popcompile, name) is not None, name
     assert popcompile.compile is compile and popcompile.PopConfig is PopConfig
+
+
+def test_a_model_built_without_its_weights_writes_the_same_engine(tiny_folder, tmp_path):
+    """--kv-calibration none from a folder: the model is built with placeholders (LazyWeights) and the writer
+    reads each weight from the checkpoint as it saves it; the engine is byte for byte the loaded model's, and
+    no scratch file is left in it."""
+    assert load_model(str(tiny_folder), lazy=True).lazy is not None
+    config = PopConfig(cut=4, kv_calibration="none", max_seq=64, min_prompt_tokens=0)
+    target = OnnxTarget(WeightQuantization("int4"))
+    compile(str(tiny_folder), config, out=tmp_path / "lazy", target=target)
+    compile(load_model(str(tiny_folder)), config, out=tmp_path / "loaded", target=target)
+    lazy, loaded = ((tmp_path / name / "weights.bin").read_bytes() for name in ("lazy", "loaded"))
+    assert lazy == loaded
+    assert not [p.name for p in (tmp_path / "lazy").iterdir() if p.name.startswith(".")]

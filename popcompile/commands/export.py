@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -57,7 +58,9 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace --out if it is an engine folder (only once the new one is complete; any "
                         "other folder is refused)")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of a summary")
+    p.add_argument("--json", action="store_true",
+                   help="print the manifest as JSON instead of a summary, with \"steps\": each step's wall "
+                        "seconds and peak resident memory (each also printed to stderr as it ends)")
     p.add_argument("--dtype", choices=DTYPES, default=PopConfig.dtype,
                    help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to "
                         "run)")
@@ -122,9 +125,11 @@ def cmd_export(args) -> None:
     target.preflight(config)  # no GPU for TensorRT: fail now, not after the ONNX export
     precheck_model(args.model)
     with destination_lock(args.out):  # held through the cut choice too; a second export fails here, at once
-        manifest = _compile(args, config, target)
+        manifest, records = _compile(args, config, target)
     if args.json:
-        print(manifest.to_json())
+        data = json.loads(manifest.to_json())
+        print(json.dumps({**data, "steps": [record.to_dict() for record in records]}, indent=2,
+                         sort_keys=True))
     else:
         print(summary(args.out, manifest) if target.runtime else manifest.summary(args.out))
 
@@ -180,8 +185,18 @@ def _compile(args, config, target):
     from .fitprogress import FitProgress
 
     quiet_libraries()
-    loaded = load_model(args.model, revision=args.revision)
+    records = []
+
+    def measured(record) -> None:
+        records.append(record)
+        if args.json:
+            tqdm.write("step " + json.dumps(record.to_dict()), file=sys.stderr)
+
+    # the driver loads the model (and so may read it in the engine's dtype and cast it in place) unless the
+    # cut is chosen first, which runs it
+    loaded = args.model
     if args.cut == "auto":
+        loaded = load_model(args.model, revision=args.revision)
         from ..measure.autocut import choose_cut, describe
 
         print(describe(min_agreement=args.min_agreement, budget=args.budget), file=sys.stderr)
@@ -197,6 +212,7 @@ def _compile(args, config, target):
 
         with FitProgress(leave=False) as fit_progress:
             manifest = compile(loaded, config, out=args.out, target=target, force=args.force,
-                               progress=progress, fit_progress=fit_progress)
+                               progress=progress, fit_progress=fit_progress,
+                               revision=None if args.cut == "auto" else args.revision, measured=measured)
         bar.update(bar.total - bar.n)
-    return manifest
+    return manifest, records

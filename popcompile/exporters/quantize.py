@@ -16,40 +16,81 @@ copy ``E.T [K, V]``, so the head is quantised while the embedding lookup (Gather
 Attention's activation-by-activation MatMuls (Q·Kᵀ, P·V) have no constant input and stay float, as do
 norms, RoPE and the K/V rows. The same function runs on both graphs; the quantised weights are a
 deterministic function of the float ones, so ``write_shared`` still stores each of them once.
+
+One weight at a time: each MatMul's weight is read alone (from the graph, or from the scratch file the writer
+keeps the weights in, ``ort_passes.graph.tensor_array``) and quantised by onnxruntime's own block kernel
+(``DefaultWeightOnlyQuantizer.qbits_block_quant``, what its ``MatMulNBitsQuantizer`` calls), and the node is
+written as that quantiser writes it; the whole float model is never in memory.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ..config import WeightQuantization
-
-#: the loggers of onnxruntime's quantiser, which logs a line per node at INFO
-_LOGGERS = ("onnxruntime.quantization.matmul_nbits_quantizer", "onnxruntime.quantization")
+from ..ort_passes.graph import tensor_array
 
 
-def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization) -> onnx.ModelProto:
-    """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits; float: unchanged."""
+def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
+                     store: Callable[[onnx.TensorProto], None] | None = None) -> onnx.ModelProto:
+    """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits; float: unchanged.
+    ``store``: called on each new initializer as it is made (the writer's scratch file: out of memory)."""
     if quantization.bits is None:
         return proto
     quantizer_module = _import_quantizer()
-    untie_gemm_heads(proto)
+    untie_gemm_heads(proto, store)
     config = quantizer_module.DefaultWeightOnlyQuantConfig(block_size=quantization.block_size,
                                                            is_symmetric=True,
                                                            accuracy_level=quantization.accuracy_level,
                                                            bits=quantization.bits)
-    with _quiet():
-        quantizer = quantizer_module.MatMulNBitsQuantizer(proto, algo_config=config)
-        quantizer.process()
-    return quantizer.model.model
+    blocks = quantizer_module.DefaultWeightOnlyQuantizer(config)
+    graph, bits = proto.graph, quantization.bits
+    weights = {t.name: t for t in graph.initializer}
+    nodes, quantized = [], set()
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is None or len(weight.dims) != 2 or weight.data_type not in _FLOATS:
+            nodes.append(node)
+            continue
+        rows, cols = weight.dims
+        packed, scales, _ = blocks.qbits_block_quant(tensor_array(weight))
+        names = (f"{weight.name}_Q{bits}", f"{weight.name}_scales")
+        if names[0] not in quantized:  # a weight two MatMuls read is quantised once
+            made = [numpy_helper.from_array(packed, names[0]), numpy_helper.from_array(scales, names[1])]
+            for tensor in made if store else ():
+                store(tensor)
+            graph.initializer.extend(made)
+            quantized.add(names[0])
+        extra = {"accuracy_level": quantization.accuracy_level} if quantization.accuracy_level else {}
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], [node.output[0]],
+                                      name=f"{node.name}_Q{bits}" if node.name else "",
+                                      domain="com.microsoft", K=rows, N=cols, bits=bits,
+                                      block_size=quantization.block_size, **extra))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _drop_unread_initializers(graph)
+    if not any(entry.domain == "com.microsoft" for entry in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return proto
 
 
-def untie_gemm_heads(proto: onnx.ModelProto) -> int:
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+def _drop_unread_initializers(graph: onnx.GraphProto) -> None:
+    """Initializers no node reads (the float weights now quantised) removed, as the quantiser's
+    clean_initializers does."""
+    read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
+    kept = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def untie_gemm_heads(proto: onnx.ModelProto, store: Callable[[onnx.TensorProto], None] | None = None) -> int:
     """Rewrite each ``Gemm(A, W, transB=1)`` over a 2-D float initializer W (alpha = beta = 1) into
     ``MatMul(A, W.T)`` (+ ``Add(C)`` when it has a bias), W.T a new initializer; returns how many."""
     weights = {t.name: t for t in proto.graph.initializer}
@@ -60,8 +101,11 @@ def untie_gemm_heads(proto: onnx.ModelProto) -> int:
             continue
         name = f"{node.input[1]}.T"
         if name not in weights:
-            transposed = np.ascontiguousarray(numpy_helper.to_array(weights[node.input[1]]).T)
+            transposed = np.ascontiguousarray(tensor_array(weights[node.input[1]]).T)
             weights[name] = numpy_helper.from_array(transposed, name)
+            del transposed
+            if store is not None:
+                store(weights[name])
             proto.graph.initializer.append(weights[name])
         product = f"{node.output[0]}.matmul" if len(node.input) > 2 else node.output[0]
         nodes.append(helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.name}.matmul"))
@@ -94,16 +138,3 @@ def _import_quantizer():
         root.handlers[:] = handlers
         root.setLevel(level)
     return matmul_nbits_quantizer
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in _LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

@@ -50,13 +50,16 @@ class Compiled:
     ``loaded``: the model in the engine's dtype (its tokenizer and configs go into every folder; the vllm
     target saves its weights); ``cut``: the first pruned layer; ``pair``: the decode and prefill graphs
     (None for a target with ``graphs = False``); ``fit``: POP+ weights (None: the pruned layers' own
-    projections); ``provenance``: how the K/V weights and the cut were chosen (the manifest's ``extra``)."""
+    projections); ``provenance``: how the K/V weights and the cut were chosen (the manifest's ``extra``);
+    ``disposable``: the compile loaded the model itself, so a writer may free its weights once it has made
+    what it needs of them."""
 
     loaded: LoadedModel
     cut: int
     pair: GraphPair | None
     fit: KVFit | None
     provenance: dict = field(default_factory=dict)
+    disposable: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class OnnxTarget:
         from .onnx import write_engine
 
         return write_engine(folder, compiled.loaded, compiled.pair, compiled.provenance, step, self.weights,
-                            self.lowering(compiled.pair.layout.dtype))
+                            self.lowering(compiled.pair.layout.dtype), release=compiled.disposable)
 
 
 @dataclass(frozen=True)

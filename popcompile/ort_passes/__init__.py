@@ -39,6 +39,9 @@ class OrtContext:
 
     num_layers: int
     layout: KVLayout
+    #: moves the values of a large initializer a pass makes out of memory as it is made (the ONNX writer's
+    #: scratch file, exporters/scratch.py); None: they stay in the graph
+    store: Callable[[onnx.TensorProto], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def _rotary(graphs: Graphs, context: OrtContext) -> dict:
 
 
 def _pack(graphs: Graphs, context: OrtContext) -> dict:
-    return {"packed": pack_projections(graphs)}
+    return {"packed": pack_projections(graphs, context.store)}
 
 
 def _views(graphs: Graphs, context: OrtContext) -> dict:

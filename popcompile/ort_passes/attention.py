@@ -35,7 +35,11 @@ from collections import Counter
 import onnx
 from onnx import TensorProto, helper
 
-from .graph import declared_shapes, drop_dead, producers
+from .graph import declared_shapes, drop_dead, producers, tensor_bytes
+
+#: weights this large are hidden from onnxscript's fusions (lower_for_ort): 256K float32 values, above what
+#: its constant folding reads (8192 elements) and what any fusion matches by value
+LARGE_BYTES = 1 << 20
 
 GQA, MHA = "GroupQueryAttention", "MultiHeadAttention"
 _MS = "com.microsoft"
@@ -46,14 +50,31 @@ _PREFIX = "pop_gqa"
 
 def lower_for_ort(proto: onnx.ModelProto, num_layers: int) -> tuple[onnx.ModelProto, dict[str, int]]:
     """``proto`` with fused norms and attention; the count of layers per attention form (GQA, MHA, standard).
-    ``proto`` is consumed: its tensors move into the result (no copy of the weights), do not use it after."""
+    ``proto`` is consumed: its tensors move into the result (no copy of the weights), do not use it after.
+
+    onnxscript's fusions see the weights of ``LARGE_BYTES`` or more by name, type and shape only (their values
+    decide no fusion; a fusion that read one would fail, not guess) and get them back by name: they are never
+    converted, and the exporter's scratch file (which may hold them in its own encoding) is never read."""
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
+    large = {}
+    for tensor in proto.graph.initializer:
+        if tensor_bytes(tensor) >= LARGE_BYTES:
+            kept = large[tensor.name] = onnx.TensorProto()
+            kept.CopyFrom(tensor)
+            tensor.Clear()
+            tensor.name, tensor.data_type = kept.name, kept.data_type
+            tensor.dims.extend(kept.dims)
     with contextlib.redirect_stdout(io.StringIO()):
         model, _ = optimize_for_ort(ir.from_proto(proto))
     model.graph.sort()  # the fusions can leave a node before its producer (seen in Gemma 3's prefill graph)
     fused = ir.to_proto(model)
+    for tensor in fused.graph.initializer:
+        if tensor.name in large:
+            if list(tensor.dims) != list(large[tensor.name].dims):
+                raise AssertionError(f"onnxscript's fusions reshaped the weight {tensor.name}")
+            tensor.CopyFrom(large.pop(tensor.name))
     count = mha_to_gqa(fused)
     ops = Counter(node.op_type for node in fused.graph.node if node.domain == _MS)
     forms = {GQA: count, MHA: ops[MHA]}

@@ -1,15 +1,51 @@
 """What the ONNX-level rewrites (ort_passes/, in the order of ort_passes.ORT_PASSES) read and edit in a
 graph: who produces and who reads a tensor, a Transpose's permutation, renaming a tensor or pointing its
-readers elsewhere, the nodes in topological order, and the nodes no output needs removed.
+readers elsewhere, the nodes in topological order, and the nodes no output needs removed; an initializer's
+values (``tensor_array``), wherever they are kept.
 
 Each works on the ``onnx.GraphProto`` itself, in place: the weights are never copied.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The size of an initializer's values in bytes, wherever they are kept."""
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """An initializer's values: in the proto, or (while the exporter keeps the weights out of memory,
+    exporters/scratch.py) in the file its external data names by absolute path, read for this tensor only.
+    Read-only where read from a file."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    if not os.path.isabs(info["location"]):
+        raise ValueError(f"initializer {tensor.name!r}: external data {info['location']!r} is relative; "
+                         "read the model with onnx.load (its folder resolves it)")
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    with open(info["location"], "rb") as handle:
+        handle.seek(int(info.get("offset", 0)))
+        data = handle.read(int(info["length"]))
+    if info["location"].endswith(BFLOAT16_BITS):  # float32 values stored as their upper 16 bits (bf16 values)
+        upper = np.frombuffer(data, np.uint16).astype(np.uint32)
+        return (upper << 16).view(np.float32).reshape(tuple(tensor.dims))
+    return np.frombuffer(data, dtype).reshape(tuple(tensor.dims))
+
+
+#: how the name of the exporter's scratch file ends (exporters/scratch.py) where its float32 tensors are
+#: stored as the upper halves of their values, whose lower halves are all zero (a bf16 checkpoint's weights)
+BFLOAT16_BITS = ".bf16bits"
 
 
 def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import drop_dead, readers
+from .graph import drop_dead, readers, tensor_array
 
 _PREFIX = "pop_pack"
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -48,15 +48,17 @@ class _Member:
     digest: str  # content of its weight [K, N]: the identity write_shared stores it under
 
 
-def pack_projections(graphs: Mapping[str, onnx.ModelProto]) -> dict[str, int]:
+def pack_projections(graphs: Mapping[str, onnx.ModelProto],
+                     store: Callable[[onnx.TensorProto], None] | None = None) -> dict[str, int]:
     """Pack, in place, the MatMuls of each graph that read one activation and whose weights occur together in
-    the same groups of every graph; returns the packed groups per graph."""
+    the same groups of every graph; returns the packed groups per graph. ``store``: called on each packed
+    weight as it is made (OrtContext.store: its values moved out of memory at once)."""
     groups = {name: _groups(proto.graph) for name, proto in graphs.items()}
     where = _occurrences(graphs, groups)
     packed = {}
     for name, proto in graphs.items():
         plan = [part for members in groups[name] for part in _split_by_occurrence(members, where)]
-        packed[name] = _rewrite(proto.graph, plan)
+        packed[name] = _rewrite(proto.graph, plan, store)
     return packed
 
 
@@ -77,7 +79,7 @@ def _groups(graph: onnx.GraphProto) -> list[list[_Member]]:
 
 
 def _digest(tensor: onnx.TensorProto) -> str:
-    array = numpy_helper.to_array(tensor)
+    array = tensor_array(tensor)
     return hashlib.sha256(f"{array.dtype}{array.shape}".encode() + array.tobytes()).hexdigest()
 
 
@@ -110,7 +112,8 @@ def _split_by_occurrence(members: list[_Member], where: dict) -> list[list[_Memb
     return [sorted(part, key=lambda m: m.digest) for part in parts.values() if len(part) > 1]
 
 
-def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]]) -> int:
+def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]],
+             store: Callable[[onnx.TensorProto], None] | None = None) -> int:
     """Each planned part's packed MatMul (Add) and Split stand where its first member stood; the parts'
     weights (and bias Adds) go. The Split's outputs are produced earlier than the Adds' were: still before
     every reader."""
@@ -130,27 +133,31 @@ def _rewrite(graph: onnx.GraphProto, plan: list[list[_Member]]) -> int:
             nodes.append(node)
         elif index not in done:
             done.add(index)
-            nodes += _packed([m.node for m in plan[index]], weights, graph, index, adds[index])
+            nodes += _packed([m.node for m in plan[index]], weights, graph, index, adds[index], store)
     del graph.node[:]
     graph.node.extend(nodes)
     drop_dead(graph)
     return len(plan)
 
 
-def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int, adds: list | None) -> list:
+def _packed(members: list, weights: dict, graph: onnx.GraphProto, index: int, adds: list | None,
+            store: Callable[[onnx.TensorProto], None] | None = None) -> list:
     """One MatMul over the members' weights side by side ([K, N1+N2+..]), with ``adds`` one Add of their
     biases side by side ([N1+N2+..]), and the Split that gives each member (or its Add) its output."""
-    arrays = [numpy_helper.to_array(weights[node.input[1]]) for node in members]
+    arrays = [tensor_array(weights[node.input[1]]) for node in members]
     name = f"{_PREFIX}/{index}"
-    graph.initializer.extend([numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight"),
-                              numpy_helper.from_array(np.array([a.shape[1] for a in arrays], np.int64),
-                                                      f"{name}/split")])
+    weight = numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight")
+    del arrays[:]  # keep only the widths below
+    if store is not None:
+        store(weight)
+    widths = [weights[node.input[1]].dims[1] for node in members]
+    graph.initializer.extend([weight, numpy_helper.from_array(np.array(widths, np.int64), f"{name}/split")])
     nodes = [helper.make_node("MatMul", [members[0].input[0], f"{name}/weight"], [f"{name}/out"],
                               name=f"{name}/matmul")]
     source, outputs = f"{name}/out", [node.output[0] for node in members]
     if adds is not None:
         initializers = {t.name: t for t in graph.initializer if len(t.dims) == 1}
-        biases = [numpy_helper.to_array(initializers[bias]) for _, bias in adds]
+        biases = [tensor_array(initializers[bias]) for _, bias in adds]
         graph.initializer.append(numpy_helper.from_array(np.concatenate(biases), f"{name}/bias"))
         nodes.append(helper.make_node("Add", [source, f"{name}/bias"], [f"{name}/biased"],
                                       name=f"{name}/add"))

@@ -25,7 +25,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import declared_shapes, drop_dead, producers, readers, topological_sort, transpose_perm
+from .graph import (
+    declared_shapes,
+    drop_dead,
+    producers,
+    readers,
+    tensor_array,
+    topological_sort,
+    transpose_perm,
+)
 
 _PREFIX = "pop_rope"
 _BSNH = [0, 2, 1, 3]
@@ -38,7 +46,7 @@ def fuse_rotary(proto: onnx.ModelProto) -> int:
     graph = proto.graph
     producer = producers(graph)
     # shape and scalar constants only: the weights (hundreds of MB) decide no match
-    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+    consts = {t.name: tensor_array(t) for t in graph.initializer
               if math.prod(t.dims) <= _CONST_ELEMENTS}
     consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})

@@ -92,7 +92,7 @@ def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, tuple]:
 
 def _light(tensor: onnx.TensorProto) -> onnx.TensorProto:
     """``tensor`` itself if small; else its name, type and dims with no values."""
-    if tensor.ByteSize() <= _LIGHT_BYTES:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.ByteSize() <= _LIGHT_BYTES:
         return tensor
     return onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
 
