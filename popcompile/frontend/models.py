@@ -199,9 +199,21 @@ def load_model(
     folder = Path(source.path)
     if source.kind in ("shipped", "gguf"):
         folder = _ensure_converted(folder, source.sha256, cache)
-    if lazy and (built := _placeholders(folder, dtype)) is not None:
+    if lazy and (built := _lazy_placeholders(folder, dtype)) is not None:
         return LoadedModel(built[0].eval(), _read_tokenizer(folder), source, built[1])
     return LoadedModel(_read_weights(folder, dtype).eval(), _read_tokenizer(folder), source)
+
+
+def _lazy_placeholders(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, LazyWeights] | None:
+    """``_placeholders``, with a damaged checkpoint (a header or index that does not parse) a ModelError as
+    ``_read_weights`` makes it."""
+    from safetensors import SafetensorError
+
+    try:
+        return _placeholders(folder, dtype)
+    except (*_READ_ERRORS, SafetensorError) as err:
+        raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
+                         "re-download or re-save the model") from err
 
 
 def _placeholders(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, LazyWeights] | None:
