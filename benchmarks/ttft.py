@@ -19,6 +19,10 @@ graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to s
     python benchmarks/ttft.py --kv-calibration auto              # also POP+ beside POP
     python benchmarks/ttft.py --compare-separate                 # folded vs separate x_N
     python benchmarks/ttft.py --models smollm2-135m --step-cost 512 1024 2048 --reps 9 # docs/kv.md's table
+    python benchmarks/ttft.py --engine E --tokens 512 2048 --reps 3  # an engine already exported
+
+An ``--engine`` folder (e.g. benchmarks/real_shapes.py --keep-engine) runs on random token ids of its
+vocabulary (seed 0): those models' word-level tokenizers know no real text, and the speed does not depend on it.
 """
 from __future__ import annotations
 
@@ -62,6 +66,12 @@ def real_text() -> str:
     import logging as g
     import textwrap as t
     return "\n".join(inspect.getsource(m) for m in (j, t, a, g, i))
+
+
+def random_ids(config: dict, n: int) -> list[int]:
+    """``n`` token ids drawn from the vocabulary (seed 0), past the first 3 (special ids)."""
+    vocab = config.get("text_config", config)["vocab_size"]
+    return np.random.default_rng(0).integers(3, vocab, n).tolist()
 
 
 def time_mode(session: OrtSession, ids: list[int], mode: str, new_tokens: int = 1):
@@ -169,8 +179,10 @@ def step_costs(session: OrtSession, rows: int, reps: int) -> dict:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"],
-                        help="shipped model names")
+    parser.add_argument("--models", nargs="+",
+                        help="shipped model names (default: smollm2-135m gemma3-270m unless --engine)")
+    parser.add_argument("--engine", type=Path, action="append", default=[],
+                        help="an exported engine folder to time as it is (repeat for several)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048], help="prompt lengths")
     parser.add_argument("--reps", type=int, default=5,
                         help="interleaved repetitions per mode (after a warm-up)")
@@ -202,6 +214,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.models is None:
+        args.models = [] if args.engine else ["smollm2-135m", "gemma3-270m"]
     if args.step_cost:
         print_step_costs(args)
         return
@@ -211,8 +225,10 @@ def main() -> None:
           f"{args.dtype}, io_binding={args.io_binding}, threads={args.threads or 'default'}")
     print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'paired':>6} {'bound':>6} "
           f"{'of bound':>8} {'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
-    for model in args.models:
-        folder = engine(model, args.dtype, boundary=args.boundary)
+    targets = [(model, lambda model=model: engine(model, args.dtype, boundary=args.boundary))
+               for model in args.models] + [(folder.name, lambda folder=folder: folder) for folder in args.engine]
+    for model, folder_of in targets:
+        folder = folder_of()
         session = OrtSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
         def other(kv_calibration: str, boundary: str, model: str = model) -> OrtSession:
             return OrtSession(engine(model, args.dtype, kv_calibration, boundary), provider=args.provider,
@@ -224,7 +240,8 @@ def main() -> None:
         if args.compare_separate:
             others["separate"] = other("none", "separate")
         config = json.loads((folder / "config.json").read_text())
-        text_ids = session.tokenizer.encode(real_text())
+        text_ids = (session.tokenizer.encode(real_text()) if model in args.models
+                    else random_ids(config, max(args.tokens)))
         for n in args.tokens:
             row = {"model": model, "tokens": n, "cut": session.manifest.cut,
                    **measure(session, text_ids[:n], args.reps, others)}
