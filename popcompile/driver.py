@@ -119,17 +119,26 @@ class CompileStep:
 def _load(c: Compilation) -> None:
     """The model, read straight in the engine's dtype where nothing runs it in float32 first (no K/V fit to
     compute: none or a file); a bf16 checkpoint read as float16 rounds as the cast would. Then, for a target
-    that writes graphs, it is built without its weights (``load_model(lazy=True)``): capture traces shapes
-    only, and the ONNX writer reads each weight from the checkpoint as it writes it. Otherwise float32, cast
-    after the fits."""
+    that writes graphs, it is built without its weights (``load_model(lazy=True)``, ``_loads_lazily``):
+    a ridge fit reads one layer's weights at a time, capture traces shapes only, and the ONNX writer reads
+    each weight from the checkpoint as it writes it. Otherwise float32, cast after the fits."""
     owned = not isinstance(c.source, LoadedModel)
     if owned:
         direct = _reads_in_engine_dtype(c.config)
         dtype = getattr(torch, c.config.dtype) if direct else torch.float32
-        c.loaded = load_model(c.source, dtype=dtype, revision=c.revision, lazy=direct and c.target.graphs)
+        c.loaded = load_model(c.source, dtype=dtype, revision=c.revision,
+                              lazy=_loads_lazily(c.config, c.target))
     else:
         c.loaded = c.source
     c.owned = owned
+
+
+def _loads_lazily(config: PopConfig, target: Target) -> bool:
+    """Whether the model is built without its weights (frontend.lazy): for a target that writes graphs,
+    when the engine's dtype is the one the model is read in (no fit: the engine's; a fit: float32, which
+    the fit streams layer by layer, kvfit.fit.held). A float16 engine with a fit loads whole (the cast
+    after the fit needs real weights)."""
+    return target.graphs and (_reads_in_engine_dtype(config) or config.dtype == "float32")
 
 
 def _reads_in_engine_dtype(config: PopConfig) -> bool:
@@ -146,13 +155,15 @@ def _calibrate(c: Compilation) -> None:
     check_vision_cut(c.loaded.model.config, c.cut)
     if fit_method(c.loaded.model, c.config.kv_calibration) != "distill":  # distill: its own step
         c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
-                            config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress)
+                            config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress,
+                            lazy=c.loaded.lazy)
 
 
 def _distill(c: Compilation) -> None:
     if fit_method(c.loaded.model, c.config.kv_calibration) == "distill":
         c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
-                            config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress)
+                            config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress,
+                            lazy=c.loaded.lazy)
 
 
 def _cast(c: Compilation) -> None:

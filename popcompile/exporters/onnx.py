@@ -36,7 +36,8 @@ import torch
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, format_version, sha256_file
 from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
-from ..frontend.models import LazyWeights, LoadedModel
+from ..frontend.lazy import LazyWeights
+from ..frontend.models import LoadedModel
 from ..frontend.vision import vision_record, vision_spec
 from ..ort_passes import ORT_PASSES, OrtContext
 from ..ort_passes.graph import tensor_array

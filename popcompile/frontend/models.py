@@ -33,6 +33,7 @@ from ..errors import ConfigError, ModelError, ModelNotFoundError, PopcompileErro
 from .arch import DECODER_TYPES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 from .hub import fetch
+from .lazy import LazyWeights, placeholders
 from .vision import VISION_LANGUAGE, vision_spec
 
 if TYPE_CHECKING:
@@ -94,32 +95,6 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     source: ModelSource
     lazy: LazyWeights | None = None
-
-
-@dataclass(frozen=True)
-class LazyWeights:
-    """Where each placeholder parameter of a model built without its weights lives in its safetensors
-    checkpoint. A placeholder is a zero-strided tensor of the parameter's shape and dtype over one element:
-    tracing reads its shape, dtype and device only; ``read`` gives the real values, one tensor at a time, in
-    the model's dtype (cast from the checkpoint's as from_pretrained casts)."""
-
-    files: dict[str, str]  # checkpoint key -> its safetensors file
-    keys: dict[int, str]  # a placeholder's storage (data_ptr) -> its checkpoint key
-    dtype: torch.dtype
-
-    def key(self, tensor: torch.Tensor) -> str | None:
-        """The checkpoint key of a placeholder (None: ``tensor`` is a real tensor)."""
-        return self.keys.get(tensor.untyped_storage().data_ptr())
-
-    def read(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The values of placeholder ``tensor`` (``tensor`` itself if it is real)."""
-        key = self.key(tensor)
-        if key is None:
-            return tensor
-        from safetensors import safe_open
-
-        with safe_open(self.files[key], framework="pt") as checkpoint:
-            return checkpoint.get_tensor(key).to(self.dtype)
 
 
 SHIPPED: dict[str, ShippedModel] = {
@@ -205,58 +180,18 @@ def load_model(
 
 
 def _lazy_placeholders(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, LazyWeights] | None:
-    """``_placeholders``, with a damaged checkpoint (a header or index that does not parse) a ModelError as
-    ``_read_weights`` makes it."""
+    """``lazy.placeholders`` for a text model (None for a vision-language one), with a damaged checkpoint (a
+    header or index that does not parse) a ModelError as ``_read_weights`` makes it."""
     from safetensors import SafetensorError
 
+    config = _read_config(folder, local_files_only=True)
+    if vision_spec(config) is not None:
+        return None
     try:
-        return _placeholders(folder, dtype)
+        return placeholders(folder, config, dtype)
     except (*_READ_ERRORS, SafetensorError) as err:
         raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
                          "re-download or re-save the model") from err
-
-
-def _placeholders(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, LazyWeights] | None:
-    """The model of ``folder`` built with placeholder parameters (``LazyWeights``), or None where that is not
-    plainly possible: a vision-language model, weights not all in safetensors, a parameter whose name is not
-    a checkpoint key (a tied head excepted)."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import GenerationConfig
-
-    config = _read_config(folder, local_files_only=True)
-    index = folder / "model.safetensors.index.json"
-    if vision_spec(config) is not None:
-        return None
-    if index.is_file():
-        files = {key: str(folder / name) for key, name in json.loads(index.read_text())["weight_map"].items()}
-    elif (folder / "model.safetensors").is_file():
-        with safe_open(folder / "model.safetensors", framework="pt") as checkpoint:
-            files = dict.fromkeys(checkpoint.keys(), str(folder / "model.safetensors"))
-    else:
-        return None
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.tie_weights()
-    names: dict[int, list[str]] = {}  # a tied parameter has several names; the checkpoint holds one
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    keys, made = {}, {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            key = next((n for n in names[id(param)] if n in files), None)
-            if key is None:
-                return None
-            if id(param) not in made:
-                made[id(param)] = torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(param.shape),
-                                                     requires_grad=False)
-                keys[made[id(param)].untyped_storage().data_ptr()] = key
-            module._parameters[name] = made[id(param)]
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    return model, LazyWeights(files, keys, dtype)
 
 
 def _read_config(folder: Path, **kwargs) -> PretrainedConfig:

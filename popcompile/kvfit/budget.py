@@ -6,7 +6,9 @@
                                          and the latency of one small op
     fit_work(...)                        the fit's FLOPs and layer calls, counted from what really runs
     plan_fit(model, tokens, cut, config) the estimate, and the method that runs: distill falls back to ridge
-                                         (POP+) when its estimate exceeds the budget (FitPlan)
+                                         (POP+) when its estimate exceeds the budget, or when the model was
+                                         built without its weights and they do not fit in memory (FitPlan)
+    available_memory()                   bytes the fit may hold (psutil's available, less a margin)
     on_device(model, device)             the model moved there for the fit, and back after
 
 The estimate is ``flops / flops_per_s + layer_calls * OPS_PER_LAYER_CALL * op_s``: matmul throughput for
@@ -240,23 +242,45 @@ class FitPlan:
                 "elapsed_s": round(elapsed_s, 1), "stopped": stopped}
 
 
-def plan_fit(model, shapes: list[tuple[int, int]], cut: int, config: KVFitConfig,
-             device: torch.device) -> FitPlan:
-    """The plan for ``config.method`` at ``cut`` on tokens of ``shapes`` (fit_work) on ``device``: distill
-    whose estimate exceeds ``config.budget_s`` becomes ridge on the same windows, with a ``fallback`` line. A
-    ridge fit over the budget still runs, stopping at it (FitPlan.line says so)."""
+#: what the fit leaves free of the available memory (activations, the moments, the rest of the process)
+MEMORY_MARGIN = 0.8
+
+
+def available_memory() -> int:
+    """Bytes a fit may hold on this machine: ``MEMORY_MARGIN`` of what psutil says is available."""
+    import psutil
+
+    return int(psutil.virtual_memory().available * MEMORY_MARGIN)
+
+
+def plan_fit(model, shapes: list[tuple[int, int]], cut: int, config: KVFitConfig, device: torch.device, *,
+             unread_bytes: int = 0, memory: int | None = None) -> FitPlan:
+    """The plan for ``config.method`` at ``cut`` on tokens of ``shapes`` (fit_work) on ``device``. Distill
+    becomes ridge on the same windows, with a ``fallback`` line, when its estimate exceeds
+    ``config.budget_s``, or when ``unread_bytes`` (the weights of a model built without them,
+    frontend.lazy) exceed ``memory`` (default ``available_memory()``): distill trains through the whole
+    model, ridge reads one layer at a time. A ridge fit over the budget still runs, stopping at it
+    (FitPlan.line says so)."""
     speed = device_speed(device)
     work = fit_work(model.config, cut, config, shapes)
     estimate = work.seconds(speed)
     plan = FitPlan(config.method, config.method, str(device), work.flops, speed.flops_per_s, estimate,
                    config.budget_s)
-    if config.method != "distill" or config.budget_s is None or estimate <= config.budget_s:
+    if config.method != "distill":
         return plan
     ridge = fit_work(model.config, cut, replace(config, method="ridge"), in_batches(shapes))
-    reason = (f"POP++ (distill) is estimated at ~{_duration(estimate)}, over --calibration-budget "
-              f"{_duration(config.budget_s)} on {device}: fitting POP+ (ridge, ~"
-              f"{_duration(ridge.seconds(speed))}) instead; give a larger --calibration-budget or a GPU "
-              "(--device cuda) for POP++")
+    instead = f"fitting POP+ (ridge, ~{_duration(ridge.seconds(speed))}) instead"
+    if unread_bytes and unread_bytes > (memory := available_memory() if memory is None else memory):
+        reason = (f"POP++ (distill) trains through the whole model: its float32 weights "
+                  f"({unread_bytes / 2**30:.1f} GiB) exceed the memory available for the fit "
+                  f"({memory / 2**30:.1f} GiB); {instead}, reading one layer's weights at a time; a machine "
+                  "with more memory (or a GPU, --device cuda) fits POP++")
+    elif config.budget_s is not None and estimate > config.budget_s:
+        reason = (f"POP++ (distill) is estimated at ~{_duration(estimate)}, over --calibration-budget "
+                  f"{_duration(config.budget_s)} on {device}: {instead}; give a larger --calibration-budget "
+                  "or a GPU (--device cuda) for POP++")
+    else:
+        return plan
     return replace(plan, method="ridge", flops=ridge.flops, estimate_s=ridge.seconds(speed), fallback=reason)
 
 

@@ -12,12 +12,16 @@
                    models only: a VLM is refused, ``check_method``)
         both on KVFitConfig.device within KVFitConfig.budget_s (budget.py: the estimate, printed before
         the fit; distill over the budget falls back to ridge; a fit that runs out stops with the best so far)
+        a model built without its weights (``lazy``, frontend.lazy): ridge on the CPU reads one module's
+        weights at a time (LazyWeights.streamed); distill, or another device, reads them all first, and
+        distill whose float32 weights exceed the memory available falls back to ridge
 
 Every default (ridge, bias, window length, steps, ...) is KVFitConfig's (config.py). Here, not in
 calibrate.py or distill.py, because it picks between them: distill builds on calibrate.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +31,7 @@ import torch
 
 from ..config import FIT_METHODS, KVCalibration, KVFitConfig
 from ..errors import ConfigError
+from ..frontend.lazy import LazyWeights
 from ..frontend.vision import is_vision_language
 from ..passes.pop import Projection
 from .budget import Deadline, FitPlan, on_device, plan_fit, resolve_device
@@ -42,7 +47,7 @@ DISTILL_STEP = "distill"
 def resolve_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration | str | Path | None,
            fit: KVFit | None = None, *, config: KVFitConfig | None = None,
            step: Callable[[str], None] | None = None, folder: str | Path | None = None,
-           progress: Callable | None = None) -> KVFit | None:
+           progress: Callable | None = None, lazy: LazyWeights | None = None) -> KVFit | None:
     """The K/V weights ``kv`` asks for at ``cut``, for every entry point (export, torch.compile, eval).
 
     none: plain POP (None). ridge: the ridge fit on the built-in corpus, now (needs ``tokenizer``; a
@@ -51,13 +56,14 @@ def resolve_fit(model: torch.nn.Module, tokenizer, cut: int, kv: KVCalibration |
     ``step("distill")`` is reported before it starts; text models only). auto: ``fit_method``'s. file: the
     fit read from it (or ``fit``, read earlier by ``load_file_fit``), checked against ``cut`` and the model's
     shapes. None as well when ``cut`` prunes nothing. ``config``: how the built-in fits are made (default
-    KVFitConfig(); its method is the mode's). ``progress``: the fit's events (``fit_on_tokens``)."""
+    KVFitConfig(); its method is the mode's). ``progress``: the fit's events (``fit_on_tokens``).
+    ``lazy``: the model was built without its weights (``fit_on_tokens``)."""
     kv = KVCalibration.of(kv)
     layers = model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder
     if kv.fits_now and cut < layers:
         method = fit_method(model, kv)
         return fit_builtin(model, tokenizer, cut, replace(config or KVFitConfig(), method=method), step=step,
-                           folder=folder, progress=progress)
+                           folder=folder, progress=progress, lazy=lazy)
     fit = resolve_file_fit(kv, cut, layers, fit)
     if fit is not None:
         check_fit_shapes(fit, model)
@@ -90,7 +96,7 @@ def fit_method(model: torch.nn.Module, kv: KVCalibration | str) -> str | None:
 
 def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig, *,
                 step: Callable[[str], None] | None = None, folder: str | Path | None = None,
-                progress: Callable | None = None) -> KVFit:
+                progress: Callable | None = None, lazy: LazyWeights | None = None) -> KVFit:
     """``fit_on_tokens`` on the built-in calibration corpus (``builtin_batches``). Distill at cut L-1 leaves
     no layer to train (layer L-1 reads h_cut in the full model too): the fit is ridge's, empty."""
     check_method(model, config)
@@ -99,7 +105,7 @@ def fit_builtin(model: torch.nn.Module, tokenizer, cut: int, config: KVFitConfig
     if config.method == "distill":
         (step or (lambda name: None))(DISTILL_STEP)
     return fit_on_tokens(model, builtin_batches(model, tokenizer, config, folder), cut, config,
-                         progress=progress)[0]
+                         progress=progress, lazy=lazy)[0]
 
 
 def builtin_batches(model: torch.nn.Module, tokenizer, config: KVFitConfig,
@@ -124,7 +130,8 @@ def builtin_tokens(tokenizer, config: KVFitConfig) -> list[torch.Tensor] | torch
 
 
 def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Tensor, cut: int,
-            config: KVFitConfig, *, progress: Callable | None = None) -> tuple[KVFit, DistillResult | None]:
+            config: KVFitConfig, *, progress: Callable | None = None,
+            lazy: LazyWeights | None = None) -> tuple[KVFit, DistillResult | None]:
     """(the fit at ``cut``, the distillation's record or None) from token ids: batches [B, T] for ridge (a
     list), windows [W, T] for distill (a tensor or a list of batches, stacked), each with ``config``'s ridge
     and bias. Ridge also takes a vision-language model's image+text windows (images.ImageWindow batches).
@@ -133,7 +140,8 @@ def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Ten
     (its ``line()``: the estimate; its ``fallback``: why distill became ridge, then fitted on the same
     windows), then ``DistillProgress`` reports (phase "ridge": tokens, "teacher": windows, "train": steps).
     Without ``progress`` a fallback is a warning. The fit's ``record`` says what ran (the manifest's
-    ``extra.kv_fit``); its weights are on the CPU."""
+    ``extra.kv_fit``); its weights are on the CPU. ``lazy``: ``model`` was built without its weights
+    (placeholders, frontend.lazy): ``held`` reads them as the plan needs."""
     check_method(model, config)
     device = resolve_device(config.device)
     report = progress or _warn_fallback
@@ -145,10 +153,11 @@ def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Ten
     else:
         tokens = list(tokens)
         shapes = [tuple(batch_kind(b).ids(b).shape) for b in tokens]
-    plan = plan_fit(model, shapes, cut, config, device)
+    plan = plan_fit(model, shapes, cut, config, device,
+                    unread_bytes=0 if lazy is None else lazy.placeholder_bytes(model))
     report(plan)
     deadline, result, stopped = Deadline(config.budget_s), None, None
-    with on_device(model, device):
+    with held(model, lazy, plan.method, device), on_device(model, device):
         if plan.method == "distill":
             result = ridge_then_distill(model, windows, cut, config.distill, ridge=config.ridge,
                                         bias=config.fits_bias, progress=report, stop=deadline.passed)
@@ -169,6 +178,18 @@ def fit_on_tokens(model: torch.nn.Module, tokens: list[torch.Tensor] | torch.Ten
             if fit.info.tokens < total:
                 stopped = f"stopped after {fit.info.tokens} of {total} tokens: budget"
     return replace(on_cpu(fit), record=plan.record(deadline.elapsed(), stopped)), result
+
+
+def held(model: torch.nn.Module, lazy: LazyWeights | None, method: str,
+         device: torch.device) -> contextlib.AbstractContextManager:
+    """How the fit holds the weights of a model built without them: ridge on the CPU streams them (one
+    module's at a time, per forward); distill, and a fit on another device, read them all now, for good."""
+    if lazy is None:
+        return contextlib.nullcontext(model)
+    if method == "ridge" and device.type == "cpu":
+        return lazy.streamed(model)
+    lazy.materialise(model)
+    return contextlib.nullcontext(model)
 
 
 def on_cpu(fit: KVFit) -> KVFit:
