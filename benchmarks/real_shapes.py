@@ -7,7 +7,8 @@ tensor by tensor from the names and shapes of the model built on the meta device
 holds one shard (~2 GB), never the model. The folders have the models' speed and memory, never their quality.
 
 Then it runs ``popcompile export FOLDER --out ENGINE --weights W --kv-calibration none --min-prompt-tokens 0
---json`` in a child process and records, as one JSON row: the child's peak RSS (getrusage of the reaped
+--json`` (``--kv-calibration ridge``: with the POP+ fit, its estimate and time recorded) in a child
+process and records, as one JSON row: the child's peak RSS (getrusage of the reaped
 child, and psutil samples of it), wall seconds, the engine folder's size, the export's per-step records
 (``steps``: wall seconds and peak RSS of each step, from its --json output, or from its stderr lines when it
 did not finish) and how it ended (ok, failed, killed: over ``--rss-limit-gib``, or past ``--timeout``). The
@@ -141,14 +142,14 @@ def folder_bytes(folder: Path) -> int:
 
 
 def run_export(model: Path, out: Path, weights: str, dtype: str, rss_limit: int, timeout: float,
-               extra: list[str]) -> dict:
+               extra: list[str], kv_calibration: str = "none") -> dict:
     """``popcompile export`` in a child process (its own process group), watched: the row of this run."""
     import psutil
 
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "popcompile.cli", "export", str(model), "--out", str(out),
-               "--weights", weights, "--dtype", dtype, "--kv-calibration", "none", "--min-prompt-tokens", "0",
-               "--json", *extra]
+               "--weights", weights, "--dtype", dtype, "--kv-calibration", kv_calibration,
+               "--min-prompt-tokens", "0", "--json", *extra]
     log = out.with_name(out.name + ".stderr.log")
     started, sampled, ended, peak = time.perf_counter(), 0, "ok", 0
     with open(log, "w") as err:
@@ -187,6 +188,7 @@ def run_export(model: Path, out: Path, weights: str, dtype: str, rss_limit: int,
     return {"status": ended, "peak_rss_gib": round(max(peak, sampled) / GIB, 2),
             "sampled_peak_rss_gib": round(sampled / GIB, 2), "wall_s": round(wall, 1),
             "engine_bytes": folder_bytes(out) if ended == "ok" else None, "steps": steps,
+            "kv_fit": report.get("extra", {}).get("kv_fit"),
             "stderr_tail": None if ended == "ok" else stderr.strip().splitlines()[-3:],
             "command": " ".join(command[1:])}
 
@@ -201,13 +203,16 @@ def machine() -> dict:
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table, and per row the step with the highest peak."""
-    lines = ["| shape | weights | dtype | checkpoint | status | peak RSS | wall | engine folder | "
-             "largest step (peak) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | weights | dtype | K/V fit (estimate / took) | checkpoint | status | peak RSS | "
+             "wall | engine folder | largest step (peak) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         top = max(row["steps"], key=lambda s: s["peak_rss_bytes"], default=None)
         largest = f"{top['name']} ({top['peak_rss_bytes'] / GIB:.1f} GiB)" if top else "-"
         engine = f"{row['engine_bytes'] / GIB:.2f} GiB" if row.get("engine_bytes") else "-"
-        lines.append(f"| {row['shape']} | {row['weights']} | {row['dtype']} | "
+        fit = row.get("kv_fit")
+        fitted = row.get("kv_calibration", "none") + (
+            f" ({fit['method']}: {fit['estimate_s']:.0f} s / {fit['elapsed_s']:.0f} s)" if fit else "")
+        lines.append(f"| {row['shape']} | {row['weights']} | {row['dtype']} | {fitted} | "
                      f"{row['checkpoint_bytes'] / GIB:.2f} GiB | {row['status']} | "
                      f"{row['peak_rss_gib']:.1f} GiB | {row['wall_s']:.0f} s | {engine} | {largest} |")
     return "\n".join(lines)
@@ -224,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the random checkpoints are written once and kept (bf16: 2.5/8/16 GB)")
     parser.add_argument("--engines-dir", type=Path, default=None,
                         help="where engines are exported (default MODELS_DIR/engines); each is replaced")
+    parser.add_argument("--kv-calibration", default="none",
+                        help="export's --kv-calibration (default none; ridge: the fit's estimate and time "
+                             "are in the row's kv_fit)")
     parser.add_argument("--keep-engine", action="store_true", help="keep the engine folder after measuring")
     parser.add_argument("--rss-limit-gib", type=float, default=21.0,
                         help="kill the export above this resident memory (default 21)")
@@ -248,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
         if args.write_only:
             continue
-        out = engines / f"{shape}-{args.weights}-{args.dtype}"
+        fit = "" if args.kv_calibration == "none" else f"-{args.kv_calibration}"
+        out = engines / f"{shape}-{args.weights}-{args.dtype}{fit}"
         row = {"shape": shape, "weights": args.weights, "dtype": args.dtype,
+               "kv_calibration": args.kv_calibration,
                "checkpoint_bytes": folder_bytes(folder),
                **run_export(folder, out, args.weights, args.dtype, int(args.rss_limit_gib * GIB),
-                            args.timeout, args.export_args),
+                            args.timeout, args.export_args, args.kv_calibration),
                "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         print(json.dumps(row))
         if args.json:
