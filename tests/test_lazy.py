@@ -16,7 +16,7 @@ from popcompile.exporters.targets import OnnxTarget
 from popcompile.frontend.lazy import LazyWeights
 from popcompile.frontend.models import load_model
 from popcompile.kvfit.budget import plan_fit
-from popcompile.kvfit.calibrate import ridge_fits
+from popcompile.kvfit.calibrate import load_fit, ridge_fits, token_batches
 from popcompile.kvfit.fit import fit_on_tokens
 
 LAYERS, CUT = 6, 4
@@ -102,6 +102,7 @@ def test_distill_whose_weights_exceed_the_memory_falls_back_to_ridge(folder):
     cpu = torch.device("cpu")
     fits = plan_fit(model, [(4, 40)], CUT, config, cpu, unread_bytes=2 * 2**30, memory=2**30)
     assert fits.method == "ridge" and fits.requested == "distill"
+    assert fits.fallback_cause == "its float32 weights exceed the memory available"
     assert fits.fallback.startswith("POP++ (distill) trains through the whole model: its float32 "
                                     "weights (2.0 GiB) exceed the memory available for the fit (1.0 GiB); "
                                     "fitting POP+")
@@ -134,3 +135,19 @@ def test_export_with_a_ridge_fit_loads_lazily_and_writes_the_loaded_models_engin
             fit_progress=lambda event: None)
     lazy, loaded = ((tmp_path / name / "weights.bin").read_bytes() for name in ("lazy", "loaded"))
     assert lazy == loaded and events[0].method == "ridge"
+
+
+def test_calibrate_streams_a_folders_weights_and_fits_what_the_loaded_model_fits(folder, tmp_path, cli):
+    text = tmp_path / "domain.txt"
+    text.write_text(" ".join(f"t{(i * 7) % 90}" for i in range(600)))
+    cli("calibrate", folder, "--out", tmp_path / "kv.safetensors", "--cut", CUT, "--text", text,
+        "--seq-len", 32, "--device", "cpu")
+    got = load_fit(tmp_path / "kv.safetensors")
+    whole = load_model(str(folder))
+    docs = [whole.tokenizer(text.read_text()).input_ids]
+    with torch.no_grad():
+        want = ridge_fits(whole.model, list(token_batches(docs, 32, 4)), [CUT])[CUT]
+    assert got.info.tokens == want.info.tokens > 0
+    for layer, parts in want.weights.items():
+        for part, projection in parts.items():
+            torch.testing.assert_close(got.weights[layer][part].weight, projection.weight, rtol=0, atol=0)

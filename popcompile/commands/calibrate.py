@@ -82,14 +82,14 @@ def cmd_calibrate(args) -> None:
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()
-    loaded = load_model(args.model, revision=args.revision)
+    loaded = load_model(args.model, revision=args.revision, lazy=True)  # weights read as the fit needs them
     layers = loaded.model.config.get_text_config().num_hidden_layers  # a VLM: its text decoder's
     cut = resolve_cut(layers, cut=args.cut, prune_ratio=args.prune_ratio)
     check_cut(cut, layers)  # before minutes of fitting
     check_vision_cut(loaded.model.config, cut)
     check_method(loaded.model, config)
     batches = calibration_batches(args, loaded, sources, config)
-    fit, note = fitted(loaded.model, batches, cut, config)
+    fit, note = fitted(loaded.model, batches, cut, config, lazy=loaded.lazy)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
     print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
@@ -149,22 +149,23 @@ def image_batches(args, loaded, sources) -> list:
                          folder=getattr(loaded.source, "path", None))
 
 
-def fitted(model, batches: list, cut: int, config):
+def fitted(model, batches: list, cut: int, config, lazy=None):
     """(the fit, a note for the summary line), through ``kvfit.fit.fit_on_tokens``, its estimate, fallback
     and progress drawn by ``FitProgress`` (one bar per phase: tokens for ridge; for distill the full model's
-    pass, whose forward also gives the ridge fit's statistics, then the training steps)."""
+    pass, whose forward also gives the ridge fit's statistics, then the training steps). ``lazy``: the
+    model was built without its weights (frontend.lazy; ridge streams them)."""
     from ..kvfit.fit import fit_on_tokens
     from .fitprogress import FitProgress
 
     with FitProgress() as progress:
-        fit, result = fit_on_tokens(model, batches, cut, config, progress=progress)
+        fit, result = fit_on_tokens(model, batches, cut, config, progress=progress, lazy=lazy)
     record = fit.record or {}
     tail = f"; {record['stopped']}" if record.get("stopped") else ""
     if record:
         tail += (f"; fitted in {record['elapsed_s']:.0f} s on {record['device']} (estimated "
                  f"{record['estimate_s']:.0f} s)")
     if record.get("fallback"):
-        return fit, f"; POP+ (ridge) instead of POP++: over the calibration budget{tail}"
+        return fit, f"; POP+ (ridge) instead of POP++: {record['fallback_cause']}{tail}"
     if result is None:
         return fit, tail
     first, best = result.initial, result.best

@@ -224,6 +224,7 @@ class FitPlan:
     estimate_s: float
     budget_s: float | None
     fallback: str | None = None
+    fallback_cause: str | None = None  # the fallback in a few words, for a summary line
 
     def line(self) -> str:
         """``fitting POP++ K/V weights on cpu: ~4 min estimated (2.1 TFLOP at 9.0 GFLOP/s measured)``."""
@@ -239,6 +240,7 @@ class FitPlan:
         return {"requested": self.requested, "method": self.method, "device": self.device,
                 "estimate_s": round(self.estimate_s, 1), "flops": self.flops,
                 "flops_per_s": round(self.flops_per_s), "budget_s": self.budget_s, "fallback": self.fallback,
+                "fallback_cause": self.fallback_cause,
                 "elapsed_s": round(elapsed_s, 1), "stopped": stopped}
 
 
@@ -271,17 +273,20 @@ def plan_fit(model, shapes: list[tuple[int, int]], cut: int, config: KVFitConfig
     ridge = fit_work(model.config, cut, replace(config, method="ridge"), in_batches(shapes))
     instead = f"fitting POP+ (ridge, ~{_duration(ridge.seconds(speed))}) instead"
     if unread_bytes and unread_bytes > (memory := available_memory() if memory is None else memory):
+        cause = "its float32 weights exceed the memory available"
         reason = (f"POP++ (distill) trains through the whole model: its float32 weights "
                   f"({unread_bytes / 2**30:.1f} GiB) exceed the memory available for the fit "
                   f"({memory / 2**30:.1f} GiB); {instead}, reading one layer's weights at a time; a machine "
                   "with more memory (or a GPU, --device cuda) fits POP++")
     elif config.budget_s is not None and estimate > config.budget_s:
+        cause = "over the calibration budget"
         reason = (f"POP++ (distill) is estimated at ~{_duration(estimate)}, over --calibration-budget "
                   f"{_duration(config.budget_s)} on {device}: {instead}; give a larger --calibration-budget "
                   "or a GPU (--device cuda) for POP++")
     else:
         return plan
-    return replace(plan, method="ridge", flops=ridge.flops, estimate_s=ridge.seconds(speed), fallback=reason)
+    return replace(plan, method="ridge", flops=ridge.flops, estimate_s=ridge.seconds(speed), fallback=reason,
+                   fallback_cause=cause)
 
 
 @contextlib.contextmanager
