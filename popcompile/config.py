@@ -191,6 +191,8 @@ class PopConfig:
     kv_fit: "KVFitConfig" = field(default_factory=lambda: KVFitConfig())
     #: how an automatic cut was chosen (method, figures): recorded in the manifest's ``extra``
     cut_choice: Mapping[str, Any] | None = field(default=None, compare=False)
+    #: choose the cut at compile time: the deepest that keeps the full model's answer (measure/floor.py)
+    quality_floor: QualityFloor | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_calibration", KVCalibration.of(self.kv_calibration))
@@ -207,6 +209,12 @@ class PopConfig:
         if not (self.min_prompt_tokens == "auto" or is_token_count(self.min_prompt_tokens)):
             raise ConfigError(f"{_named('min_prompt_tokens', self.min_prompt_tokens)} is not valid: "
                               "give auto (measure at export) or an integer >= 0 (0: POP for every prompt)")
+        if self.quality_floor is not None and not isinstance(self.quality_floor, QualityFloor):
+            raise ConfigError(f"quality_floor={self.quality_floor!r} is not a QualityFloor: give "
+                              "QualityFloor(min_agreement=...) or None")
+        if self.quality_floor is not None and (self.cut is not None or self.prune_ratio is not None):
+            raise ConfigError("quality_floor chooses the cut (--cut auto); cut / prune_ratio (--cut N, "
+                              "--prune-ratio R) fix it: give one")
         if not isinstance(self.kv_fit, KVFitConfig):
             raise ConfigError(f"kv_fit={self.kv_fit!r} is not a KVFitConfig: give "
                               "KVFitConfig(distill=DistillConfig(steps=...)) or leave the default")
@@ -214,6 +222,40 @@ class PopConfig:
     def resolve_cut(self, num_layers: int) -> int:
         """The first pruned layer for a model of ``num_layers`` layers (ConfigError when out of range)."""
         return resolve_cut(num_layers, cut=self.cut, prune_ratio=self.prune_ratio)
+
+
+@dataclass(frozen=True)
+class QualityFloor:
+    """How ``--cut auto`` chooses the cut (measure/floor.py): the deepest cut whose POP keeps the full
+    model's first generated token on at least ``min_agreement`` of ``prompts`` built-in held-out prompts
+    (measure/floor_prompts.py), measured teacher-forced over ``continuation`` greedy tokens with POP+ weights
+    fitted at every candidate cut on ``search_tokens`` calibration tokens; candidates from L-1 down to
+    ``L - floor(L * max_prune)``. The fit that ships is then made at the chosen cut and measured again."""
+
+    min_agreement: float = 0.95
+    prompts: int = 64
+    continuation: int = 32
+    search_tokens: int = 16384
+    max_prune: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.min_agreement, (int, float)) and not isinstance(self.min_agreement, bool)
+                and 0.0 <= self.min_agreement <= 1.0):
+            raise ConfigError(f"--min-agreement {self.min_agreement} must be a share within 0..1 "
+                              f"(default {QualityFloor.min_agreement})")
+        for name, low in (("prompts", 1), ("continuation", 1), ("search_tokens", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ConfigError(f"QualityFloor.{name}={value!r} must be an integer >= {low} "
+                                  f"(default {getattr(QualityFloor, name)})")
+        if not is_prune_ratio(self.max_prune) or self.max_prune == 0:
+            raise ConfigError(f"QualityFloor.max_prune={self.max_prune!r} must be a share in (0, 1) "
+                              f"(default {QualityFloor.max_prune})")
+
+    def candidates(self, num_layers: int) -> list[int]:
+        """The cuts searched, shallowest first: L-1 .. L - floor(L * max_prune) (at least 1)."""
+        deepest = max(1, num_layers - math.floor(num_layers * self.max_prune + 1e-9))
+        return list(range(num_layers - 1, deepest - 1, -1))
 
 
 DISTILL_TARGETS = ("greedy", "document")

@@ -19,12 +19,12 @@ from popcompile.errors import ConfigError, InputError
 from popcompile.frontend.arch import DECODER_TYPES
 from popcompile.kvfit.calibrate import KVFit, load_fit, ridge_fit, ridge_fits, save_fit
 from popcompile.kvfit.distill import (
-    _own_projections,
     continuation_kl,
     distill_kv,
     pop_continuation_logits,
     ridge_then_distill,
 )
+from popcompile.kvfit.student import own_projections
 from popcompile.reference import Variant
 
 ARCHS = sorted(DECODER_TYPES)
@@ -53,7 +53,7 @@ def windows(count: int = 6, length: int = 40, seed: int = 1) -> torch.Tensor:
 
 def plain_pop(model, fit: KVFit) -> KVFit:
     """The deep layers' own k/v weights as a fit: POP as in the paper, a poor start to distil from."""
-    return KVFit(fit.info, {i: _own_projections(model, i) for i in fit.weights})
+    return KVFit(fit.info, {i: own_projections(model, i) for i in fit.weights})
 
 
 def reference_logits(model, ids: torch.Tensor, variant: Variant) -> torch.Tensor:

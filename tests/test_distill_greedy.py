@@ -11,7 +11,7 @@ from tiny import CharTokenizer
 from popcompile import reference
 from popcompile.config import DistillConfig
 from popcompile.frontend.arch import DECODER_TYPES
-from popcompile.kvfit import corpus, distill, distill_windows
+from popcompile.kvfit import corpus, distill, distill_windows, student
 from popcompile.kvfit.calibrate import ridge_fit
 from popcompile.measure.eval.scoring import matched_prefix
 from popcompile.reference import Variant
@@ -21,7 +21,7 @@ CONT = 6
 
 def _data(model, ids, **options):
     config = DistillConfig(continuation=CONT, **options)
-    return distill._precompute(model, ids, CUT, config, lambda done: None)
+    return student.precompute(model, ids, CUT, config, lambda done: None)
 
 
 @pytest.mark.parametrize("arch", sorted(DECODER_TYPES))
@@ -49,8 +49,8 @@ def test_kept_vocabulary_is_the_union_of_top_k_and_its_kl():
     assert torch.equal(kept.vocab, top) and len(top) < 97
     torch.testing.assert_close(kept.teacher, whole.teacher[..., top])
     rows = torch.arange(4)
-    student = distill._student_logits(model, whole, rows, fit.weights)[..., top]
-    t, s = (torch.log_softmax(x, -1) for x in (whole.teacher[..., top], student))
+    pop = student.student_logits(model, whole, rows, fit.weights)[..., top]
+    t, s = (torch.log_softmax(x, -1) for x in (whole.teacher[..., top], pop))
     kl = float((t.exp() * (t - s)).sum(-1).mean())
     assert distill._score(model, kept, rows, fit.weights).kl == pytest.approx(kl, rel=1e-4)
     assert torch.equal(kept.targets, whole.targets)

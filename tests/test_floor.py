@@ -1,0 +1,91 @@
+"""The quality floor (measure/floor.py, floor_prompts.py): its teacher-forced measure equals free-running
+greedy POP's (reference.generate) prompt by prompt, the cut it chooses, and its prompts' provenance."""
+from __future__ import annotations
+
+import ast
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from test_distill import sharp_model
+from tiny_engine import tiny_tokenizer
+
+from popcompile import reference
+from popcompile.config import QualityFloor
+from popcompile.errors import ConfigError
+from popcompile.kvfit.calibrate import ridge_fits
+from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES
+from popcompile.measure.eval.scoring import matched_prefix
+from popcompile.measure.floor import CutQuality, choose_cut, measure_cuts
+from popcompile.measure.floor_prompts import FLOOR_MODULES, KINDS, PER_KIND, FloorPrompt, floor_prompts, texts
+from popcompile.reference import Variant
+
+CONT = 8
+
+
+def ids(length: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(3, 97, (length,), generator=generator).tolist()
+
+
+def prompts(count: int = 6) -> list[FloorPrompt]:
+    generator = torch.Generator().manual_seed(5)
+    return [FloorPrompt(f"p{i}", "code", tuple(ids(12 + 3 * i, generator)))
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_teacher_forced_measure_is_free_running_greedy_pops(arch):
+    """Per cut, POP+ weights and the layers' own: the share of prompts whose first token is the full
+    model's and the mean matched prefix equal what reference.generate's greedy tokens give."""
+    model = sharp_model(arch)  # 4 layers
+    layers = model.config.num_hidden_layers
+    batches = [torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(9))]
+    fits = {3: None, 2: ridge_fits(model, batches, [2])[2].weights, 1: None}
+    got = measure_cuts(model, prompts(), fits, continuation=CONT)
+    for cut, weights in fits.items():
+        first, matched = [], []
+        for prompt in prompts():
+            ids = torch.tensor([prompt.ids])
+            full = reference.generate(model, ids, CONT, Variant(layers))
+            pop = reference.generate(model, ids, CONT, Variant(cut, kv_weights=weights))
+            first.append(full[0] == pop[0])
+            matched.append(matched_prefix(full, pop))
+        assert got[cut].first_token == pytest.approx(sum(first) / len(first), abs=1e-9), cut
+        assert got[cut].matched_prefix == pytest.approx(sum(matched) / len(matched), abs=1e-9), cut
+    assert {q.prompts for q in got.values()} == {6}
+    assert min(q.matched_prefix for q in got.values()) < CONT  # some cut loses tokens: not all-equal
+
+
+def quality(cut: int, first: float) -> CutQuality:
+    return CutQuality(cut, first, 10.0 * first, 64, 32)
+
+
+def test_the_choice_is_the_deepest_cut_meeting_the_floor_without_a_gap():
+    floor = QualityFloor(min_agreement=0.95)
+    curve = {29: quality(29, 1.0), 28: quality(28, 0.97), 27: quality(27, 0.95), 26: quality(26, 0.9),
+             25: quality(25, 0.96)}
+    assert choose_cut(curve, floor, 30) == 27  # 25 meets it again below a miss: not taken
+    assert choose_cut({29: quality(29, 0.9)}, floor, 30) == 30  # no cut holds it: nothing pruned
+    assert choose_cut(curve, QualityFloor(min_agreement=0.0), 30) == 25
+
+
+def test_candidates_and_bad_values():
+    assert QualityFloor().candidates(30) == list(range(29, 14, -1))
+    assert QualityFloor(max_prune=0.2).candidates(10) == [9, 8]
+    with pytest.raises(ConfigError, match=r"--min-agreement 1.5 must be a share within 0..1"):
+        QualityFloor(min_agreement=1.5)
+    with pytest.raises(ConfigError, match="prompts=0 must be an integer >= 1"):
+        QualityFloor(prompts=0)
+
+
+def test_the_prompts_are_held_out_of_calibration_and_evaluation():
+    assert not set(FLOOR_MODULES) & (set(STDLIB_MODULES) | set(CALIBRATION_MODULES))
+    got = texts()
+    assert list(got) == list(KINDS) and all(len(group) == PER_KIND for group in got.values())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for module in FLOOR_MODULES:  # present in this interpreter (3.10-3.13 all have them)
+        assert ast.parse((root / f"{module}.py").read_text(encoding="utf-8"))
+    tokenizer = tiny_tokenizer(97)
+    made = floor_prompts(tokenizer, limit=8)
+    assert [p.kind for p in made] == list(KINDS) * 2 and all(len(p.ids) >= 2 for p in made)
