@@ -4,11 +4,15 @@
 read and fill in); the progress bar and ``steps()`` read the names from that list:
 
     load                  frontend.models.load_model  a shipped name, a .gguf, a HF folder (or a LoadedModel)
+    choose cut            measure.floor.search        with PopConfig.quality_floor (--cut auto): POP+ at every
+                                                      candidate cut on held-out prompts; the deepest cut
+                                                      that keeps the full model's first token often enough
     calibrate             config.resolve_cut,         the cut for this model's depth, resolved once; POP+
                           kvfit.fit.resolve_fit       weights (none | ridge | file | auto on a VLM)
     distill               kvfit.fit.resolve_fit       POP++ weights (minutes): distill, auto on a text model;
                                                       estimated first, on KVFitConfig.device, within its
                                                       budget (kvfit/budget.py: may fall back to POP+)
+    check quality         measure.floor.check_shipped the chosen cut with the weights that ship, recorded
     (cast)                cast_model                  the model in the engine's dtype (no progress name)
     capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
     POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
@@ -52,8 +56,11 @@ from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
 from .frontend.vision import check_cut as check_vision_cut
 from .fsutil import destination_lock, staged_folder
+from .kvfit.budget import available_memory
 from .kvfit.calibrate import KVFit, load_file_fit
 from .kvfit.fit import DISTILL_STEP, fit_method, resolve_fit
+from .measure.floor import CutQuality, FloorSearch, Note, check_shipped
+from .measure.floor import search as floor_search
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
 from .threshold import FIXED_MIN_PROMPT_TOKENS
@@ -79,6 +86,9 @@ class Compilation:
     early_fit: KVFit | None = None        # a calibration file, read before the model loads
     loaded: LoadedModel | None = None     # load; calibrate replaces its model by the cast one
     owned: bool = False                   # load: the driver loaded the model, so it may cast it in place
+    floor: FloorSearch | None = None      # choose cut: the quality floor's measurements and choice
+    shipped: CutQuality | None = None     # check quality: the chosen cut with the fit that ships
+    floor_skipped: str | None = None      # choose cut: why the search did not run
     cut: int | None = None                # calibrate: the first pruned layer, resolved once
     fit: KVFit | None = None              # calibrate or distill: the pruned layers' K/V weights (None: own)
     captured: CapturedModel | None = None  # capture
@@ -93,8 +103,14 @@ class Compilation:
 
     def compiled(self) -> Compiled:
         """What the target writes: every decision made, no config."""
+        choice = self.config.cut_choice and dict(self.config.cut_choice)
+        if self.floor is not None:
+            third = resolve_cut(self.floor.num_layers)
+            choice = self.floor.record(self.shipped, self.fit.info.method if self.fit else "none", third)
+        elif self.floor_skipped is not None:
+            choice = {"method": "quality floor", "skipped": self.floor_skipped}
         provenance = {"kv_calibration": dataclasses.asdict(self.fit.info) if self.fit else None,
-                      "cut_choice": self.config.cut_choice and dict(self.config.cut_choice)}
+                      "cut_choice": choice}
         if self.fit is not None and self.fit.record is not None:  # fitted now: how, where, how long
             provenance["kv_fit"] = dict(self.fit.record)
         return Compiled(self.loaded, self.cut, self.pair, self.fit, provenance, disposable=self.owned)
@@ -151,7 +167,7 @@ def _calibrate(c: Compilation) -> None:
     ConfigError / InputError before any tracing."""
     check_max_seq(c.loaded, c.config.max_seq)
     text = c.loaded.model.config.get_text_config()  # a vision-language model's text decoder
-    c.cut = c.config.resolve_cut(text.num_hidden_layers)
+    c.cut = c.floor.cut if c.floor is not None else c.config.resolve_cut(text.num_hidden_layers)
     check_vision_cut(c.loaded.model.config, c.cut)
     if fit_method(c.loaded.model, c.config.kv_calibration) != "distill":  # distill: its own step
         c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration, c.early_fit,
@@ -164,6 +180,35 @@ def _distill(c: Compilation) -> None:
         c.fit = resolve_fit(c.loaded.model, c.loaded.tokenizer, c.cut, c.config.kv_calibration,
                             config=c.config.kv_fit, folder=c.model_folder, progress=c.fit_progress,
                             lazy=c.loaded.lazy)
+
+
+def _choose_cut(c: Compilation) -> None:
+    """The quality floor's search (measure/floor.py) on the whole model: a model built without its weights
+    reads them now (the search runs it many times), or, when they do not fit in memory, the search is
+    skipped for the paper's third, in one line."""
+    model, lazy = c.loaded.model, c.loaded.lazy
+    if lazy is not None and (need := lazy.placeholder_bytes(model)) > (free := available_memory()):
+        c.floor_skipped = (f"quality floor skipped: the model's float32 weights ({need / 2**30:.1f} GiB) "
+                           f"exceed the memory available ({free / 2**30:.1f} GiB); cut at the paper's third "
+                           "(--cut N or --prune-ratio R to choose)")
+        (c.fit_progress or _warn)(Note(c.floor_skipped))
+        return
+    if lazy is not None:
+        lazy.materialise(model)
+    fit = dataclasses.replace(c.config.kv_fit, method="ridge")
+    with torch.no_grad():
+        c.floor = floor_search(model, c.loaded.tokenizer, c.config.quality_floor,
+                               fitted=c.config.kv_calibration.mode != "none", ridge=fit.ridge,
+                               bias=fit.fits_bias, seq_len=fit.seq_len, progress=c.fit_progress)
+
+
+def _warn(note: Note) -> None:
+    warnings.warn(note.line(), stacklevel=3)
+
+
+def _check_quality(c: Compilation) -> None:
+    if c.floor is not None:
+        c.shipped = check_shipped(c.loaded.model, c.floor, c.fit and c.fit.weights, c.fit_progress)
 
 
 def _cast(c: Compilation) -> None:
@@ -199,6 +244,10 @@ def _graphs(config: PopConfig, target: Target) -> bool:
     return target.graphs
 
 
+def _floors(config: PopConfig, target: Target) -> bool:
+    return config.quality_floor is not None
+
+
 def _distills(config: PopConfig, target: Target) -> bool:
     """distill, and auto (which distils a text model; the model is not loaded yet when steps are listed)."""
     return config.kv_calibration.mode in ("distill", "auto")
@@ -207,8 +256,10 @@ def _distills(config: PopConfig, target: Target) -> bool:
 #: the compile, in order (module docstring). ``steps()`` and the progress bar read the names from here.
 COMPILE_STEPS = (
     CompileStep("load", _load),
+    CompileStep("choose cut", _choose_cut, applies=_floors),
     CompileStep("calibrate", _calibrate),
     CompileStep(DISTILL_STEP, _distill, applies=_distills),
+    CompileStep("check quality", _check_quality, applies=_floors),
     CompileStep("cast", _cast, names=lambda target: ()),
     CompileStep("capture", _capture, applies=_graphs),
     CompileStep("POP pass", _pop_pass, applies=_graphs),

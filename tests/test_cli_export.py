@@ -22,13 +22,14 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def test_cut_auto_takes_analyze_recommendation_and_records_it(tiny_folder, tmp_path):
+def test_cut_auto_with_a_budget_takes_analyze_recommendation_and_records_it(tiny_folder, tmp_path):
+    """--cut auto alone is the quality floor (test_floor.py); --budget asks analyze."""
     out = tmp_path / "engine"
-    assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "auto", "--max-seq", "64",
-                 "--kv-calibration", "ridge"]) == 0  # auto's distillation: test_driver.py
+    assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "auto", "--budget", "0.3",
+                 "--max-seq", "64", "--kv-calibration", "ridge"]) == 0  # auto's distillation: test_driver.py
     manifest = EngineManifest.read(out)
     choice = manifest.extra["cut_choice"]
-    assert choice["method"] == "analyze" and choice["cut"] == manifest.cut
+    assert choice["method"] == "analyze" and choice["cut"] == manifest.cut and choice["budget"] == 0.3
     assert 1 <= manifest.cut <= 6
     if manifest.cut < 6:  # fitted for the chosen cut, and recorded
         assert manifest.extra["kv_calibration"]["cut"] == manifest.cut

@@ -204,20 +204,6 @@ def test_sweep_draws_the_distilled_curve_on_request(model, docs, fits):
     assert sweep.sweep_variant_names(["full", "pop-distill"]) == ["pop-distill"]
 
 
-def test_choose_cut_returns_the_deepest_cut_keeping_agreement(model):
-    from popcompile.frontend.models import LoadedModel, ModelSource
-
-    loaded = LoadedModel(model, CharTokenizer(), ModelSource("tiny", "folder", "tiny", None))
-    cut, figures = sweep.choose_cut(loaded, 1.0, limit=2, prefix_len=24, cont_len=8)
-    assert cut == LAYERS - 1 and figures["agreement"] == 1.0 and figures["variant"] == "pop"
-    assert [p["cut"] for p in figures["curve"]] == [4, 3, 2] and figures["documents"] == 2
-    json.dumps(figures)
-    cut, figures = sweep.choose_cut(loaded, 0.0, limit=2, prefix_len=24, cont_len=8)
-    assert cut == 2 and figures["speedup_bound"] > 1.0
-    with pytest.raises(ValueError, match="out of range"):
-        sweep.choose_cut(loaded, 1.5)
-
-
 def test_last_row_prefill_matches_the_reference(model, docs):
     prefix = torch.tensor([d.prefix for d in docs[:3]])
     target = torch.tensor([d.continuation for d in docs[:3]])

@@ -9,15 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 from test_distill import sharp_model
-from tiny_engine import tiny_tokenizer
+from tiny_engine import tiny_hf_folder, tiny_tokenizer
 
 from popcompile import reference
-from popcompile.config import QualityFloor
+from popcompile.commands.info import quality_line
+from popcompile.config import KVFitConfig, PopConfig, QualityFloor
+from popcompile.driver import compile
+from popcompile.engine.manifest import EngineManifest
 from popcompile.errors import ConfigError
 from popcompile.kvfit.calibrate import ridge_fits
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES
 from popcompile.measure.eval.scoring import matched_prefix
-from popcompile.measure.floor import CutQuality, choose_cut, measure_cuts
+from popcompile.measure.floor import CutQuality, FloorSearch, check_shipped, choose_cut, measure_cuts
 from popcompile.measure.floor_prompts import FLOOR_MODULES, KINDS, PER_KIND, FloorPrompt, floor_prompts, texts
 from popcompile.reference import Variant
 
@@ -28,24 +31,25 @@ def ids(length: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, 97, (length,), generator=generator).tolist()
 
 
-def prompts(count: int = 6) -> list[FloorPrompt]:
+def prompts(count: int = 4, same_length: bool = False) -> list[FloorPrompt]:
+    """Of one length (the measure runs them as one batch) or each its own."""
     generator = torch.Generator().manual_seed(5)
-    return [FloorPrompt(f"p{i}", "code", tuple(ids(12 + 3 * i, generator)))
+    return [FloorPrompt(f"p{i}", "code", tuple(ids(20 if same_length else 12 + 3 * i, generator)))
             for i in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_teacher_forced_measure_is_free_running_greedy_pops(arch):
+@pytest.mark.parametrize("arch, same_length", [("llama", True), ("qwen3", False)])
+def test_the_teacher_forced_measure_is_free_running_greedy_pops(arch, same_length):
     """Per cut, POP+ weights and the layers' own: the share of prompts whose first token is the full
     model's and the mean matched prefix equal what reference.generate's greedy tokens give."""
     model = sharp_model(arch)  # 4 layers
     layers = model.config.num_hidden_layers
     batches = [torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(9))]
     fits = {3: None, 2: ridge_fits(model, batches, [2])[2].weights, 1: None}
-    got = measure_cuts(model, prompts(), fits, continuation=CONT)
+    got = measure_cuts(model, prompts(same_length=same_length), fits, continuation=CONT)
     for cut, weights in fits.items():
         first, matched = [], []
-        for prompt in prompts():
+        for prompt in prompts(same_length=same_length):
             ids = torch.tensor([prompt.ids])
             full = reference.generate(model, ids, CONT, Variant(layers))
             pop = reference.generate(model, ids, CONT, Variant(cut, kv_weights=weights))
@@ -53,7 +57,7 @@ def test_the_teacher_forced_measure_is_free_running_greedy_pops(arch):
             matched.append(matched_prefix(full, pop))
         assert got[cut].first_token == pytest.approx(sum(first) / len(first), abs=1e-9), cut
         assert got[cut].matched_prefix == pytest.approx(sum(matched) / len(matched), abs=1e-9), cut
-    assert {q.prompts for q in got.values()} == {6}
+    assert {q.prompts for q in got.values()} == {4}
     assert min(q.matched_prefix for q in got.values()) < CONT  # some cut loses tokens: not all-equal
 
 
@@ -82,10 +86,65 @@ def test_candidates_and_bad_values():
 def test_the_prompts_are_held_out_of_calibration_and_evaluation():
     assert not set(FLOOR_MODULES) & (set(STDLIB_MODULES) | set(CALIBRATION_MODULES))
     got = texts()
-    assert list(got) == list(KINDS) and all(len(group) == PER_KIND for group in got.values())
+    assert list(got) == list(KINDS) and all(len(group) >= PER_KIND for group in got.values())
     root = Path(sysconfig.get_paths()["stdlib"])
     for module in FLOOR_MODULES:  # present in this interpreter (3.10-3.13 all have them)
         assert ast.parse((root / f"{module}.py").read_text(encoding="utf-8"))
     tokenizer = tiny_tokenizer(97)
     made = floor_prompts(tokenizer, limit=8)
     assert [p.kind for p in made] == list(KINDS) * 2 and all(len(p.ids) >= 2 for p in made)
+
+
+# --- through the driver and the CLI ---------------------------------------------------------------
+
+FAST = KVFitConfig(seq_len=32, max_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tiny_hf_folder(tmp_path_factory.mktemp("floor-hf"), layers=6, max_position_embeddings=512)
+
+
+def floor(**kwargs) -> QualityFloor:
+    return QualityFloor(**{"prompts": 8, "continuation": 8, "search_tokens": 512, **kwargs})
+
+
+def test_compile_chooses_the_cut_and_records_the_curve_and_the_shipped_fit(folder, tmp_path):
+    config = PopConfig(quality_floor=floor(min_agreement=0.0), kv_calibration="ridge", kv_fit=FAST,
+                       max_seq=64, min_prompt_tokens=0)
+    manifest = compile(str(folder), config, out=tmp_path / "e", fit_progress=lambda event: None)
+    choice = manifest.extra["cut_choice"]
+    assert manifest.cut == choice["cut"] == 3  # floor 0: the deepest candidate, L - floor(L / 2)
+    assert [row["cut"] for row in choice["curve"]] == [5, 4, 3]
+    assert choice["shipped"]["cut"] == 3 and choice["shipped"]["fit"] == "ridge"
+    assert choice["shipped"]["prompts"] == 8 and 0 <= choice["shipped"]["first_token"] <= 1
+    assert choice["paper_third"]["cut"] == 4 and choice["search_fit"] == "ridge (POP+) on 512 tokens"
+    assert manifest.extra["kv_calibration"]["cut"] == 3
+
+
+def test_a_floor_no_cut_holds_prunes_nothing_and_says_so():
+    curve = {5: quality(5, 0.5), 4: quality(4, 0.4)}
+    cut = choose_cut(curve, QualityFloor(), 6)
+    found = FloorSearch(QualityFloor(), curve, cut, 6, True, tuple(prompts(2)))
+    assert found.cut == 6 and check_shipped(None, found, None) is None  # nothing pruned: nothing to measure
+    record = found.record(None, "none", third=4)
+    assert record["shipped"] is None and record["paper_third"]["cut"] == 4
+    assert quality_line(record) == ("quality floor: no cut keeps the full model's first token on 95% of 2 "
+                                    "held-out prompts; nothing pruned\n")
+    shipped = quality(5, 0.97)
+    line = quality_line(FloorSearch(QualityFloor(), curve, 5, 6, True, ()).record(shipped, "distill", 4))
+    assert line == ("quality: cut 5 keeps the full model's first token on 97% of 64 held-out prompts, "
+                    "matched prefix 9.7/32 (distill fit; floor 95%); 1/3 pruned (cut 4) would give 40% / 4.0 "
+                    "(POP+)\n")
+
+
+def test_the_floor_and_a_fixed_cut_are_refused_together():
+    with pytest.raises(ConfigError, match="quality_floor chooses the cut"):
+        PopConfig(cut=4, quality_floor=QualityFloor())
+
+
+def test_cli_cut_auto_is_the_quality_floor_and_prints_it(folder, tmp_path, cli):
+    done = cli("export", folder, "--out", tmp_path / "floor", "--cut", "auto", "--min-agreement", "0.5",
+               "--kv-calibration", "none", "--max-seq", "64", "--min-prompt-tokens", "0")
+    assert "keeps the full model's first token on" in done.stdout and "floor 50%" in done.stdout
+    assert EngineManifest.read(tmp_path / "floor").extra["cut_choice"]["min_agreement"] == 0.5

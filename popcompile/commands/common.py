@@ -44,8 +44,9 @@ def add_cut_options(parser, *, allow_auto: bool = False) -> None:
     cut = parser.add_mutually_exclusive_group()
     if allow_auto:
         cut.add_argument("--cut", type=_cut_or_auto, metavar="{N,auto}",
-                         help="first pruned layer (1..L; L prunes nothing), or auto: chosen by `analyze` "
-                              "(stage-aware importance), or with --min-agreement by the eval sweep")
+                         help="first pruned layer (1..L; L prunes nothing), or auto: the deepest cut whose "
+                              "POP keeps the full model's first token on --min-agreement of built-in "
+                              "held-out prompts (the quality floor), or with --budget chosen by `analyze`")
     else:
         cut.add_argument("--cut", type=int, help="first pruned layer (1..L; L prunes nothing)")
     cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "

@@ -14,7 +14,10 @@ from typing import TextIO
 #: DistillProgress.phase -> (unit, description) of its bar
 PHASES = {"ridge": ("tok", "calibrate (POP+, ridge)"),
           "teacher": ("win", "full model (ridge fit, distillation's inputs)"),
-          "train": ("step", "distill (POP++)")}
+          "train": ("step", "distill (POP++)"),
+          "floor ridge": ("tok", "quality floor: POP+ at every cut"),
+          "floor search": ("prompt", "quality floor: every cut"),
+          "floor check": ("prompt", "quality floor: the shipped fit")}
 
 
 class FitProgress:

@@ -28,10 +28,32 @@ def summary(folder: Path, manifest) -> str:
             f"KV layout: {layout.num_layers} x "
             f"[batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
+            f"{quality_line(manifest.extra.get('cut_choice'))}"
             f"{_weights(manifest)}"
             f"{_attention(manifest)}"
             f"{_vision(manifest)}"
             f"{_threshold(manifest)}")
+
+
+def quality_line(choice: dict | None) -> str:
+    """One line for a cut the quality floor chose (measure/floor.py): what it keeps, and the paper's third."""
+    if not choice or choice.get("method") != "quality floor":
+        return ""
+    if choice.get("skipped"):
+        return f"{choice['skipped']}\n"
+    floor, shipped, third = choice["min_agreement"], choice.get("shipped"), choice.get("paper_third")
+    if shipped is None:
+        return (f"quality floor: no cut keeps the full model's first token on {floor:.0%} of "
+                f"{choice['prompts']} held-out prompts; nothing pruned\n")
+    line = (f"quality: cut {shipped['cut']} keeps the full model's first token on "
+            f"{shipped['first_token']:.0%} of {shipped['prompts']} held-out prompts, matched prefix "
+            f"{shipped['matched_prefix']:.1f}/{shipped['continuation']} ({shipped['fit']} fit; "
+            f"floor {floor:.0%})")
+    searched = "POP" if choice.get("search_fit") == "none" else "POP+"
+    if third and third["cut"] != shipped["cut"]:
+        line += (f"; 1/3 pruned (cut {third['cut']}) would give {third['first_token']:.0%} / "
+                 f"{third['matched_prefix']:.1f} ({searched})")
+    return line + "\n"
 
 
 def _vision(manifest) -> str:

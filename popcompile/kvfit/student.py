@@ -80,11 +80,12 @@ def _forward(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> None:
 
 
 def _greedy(model, last: torch.Tensor, cache: DynamicCache, start: int, steps: int) -> torch.Tensor:
-    """The full model's greedy tokens [1, steps] after ``last`` [1, 1] at position ``start`` (``cache`` is
+    """The full model's greedy tokens [B, steps] after ``last`` [B, 1] at position ``start`` (``cache`` is
     copied, not extended)."""
     cache, tokens = copy.deepcopy(cache), [last]
     for i in range(steps):
-        out = model(input_ids=tokens[-1], position_ids=torch.tensor([[start + i]], device=last.device),
+        position = torch.full_like(last, start + i)  # [B, 1]
+        out = model(input_ids=tokens[-1], position_ids=position,
                     use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
         tokens.append(out.logits[:, -1:].argmax(-1))
     return torch.cat(tokens[1:], dim=1) if steps else last[:, :0]

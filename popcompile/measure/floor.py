@@ -23,7 +23,10 @@ import torch
 
 from ..config import QualityFloor
 from ..kvfit.student import Weights, Windows, head_logits, student_logits, teacher_run
-from .floor_prompts import FloorPrompt
+from .floor_prompts import FloorPrompt, floor_prompts
+
+#: prompts per full-model pass (the teacher's greedy steps run them together)
+BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -47,28 +50,42 @@ class CutQuality:
 
 @torch.no_grad()
 def measure_cuts(model: torch.nn.Module, prompts: Iterable[FloorPrompt], fits: Mapping[int, Weights | None],
-                 continuation: int = QualityFloor.continuation,
+                 continuation: int = QualityFloor.continuation, batch: int = BATCH,
                  progress: Callable[[int], None] | None = None) -> dict[int, CutQuality]:
     """``{cut: CutQuality}`` of POP at each cut of ``fits`` (cut -> the deep layers' K/V weights; None or
-    {}: the layers' own, the paper's POP) against the full model, on ``prompts`` (each at least 2 tokens),
-    over ``continuation`` greedy tokens. ``progress(done)`` after each prompt."""
+    {}: the layers' own, the paper's POP) against the full model, on ``prompts`` (each at least 2 tokens; runs
+    of equal length go through the model ``batch`` at a time), over ``continuation`` greedy tokens.
+    ``progress(done)`` after each batch, with the prompts done."""
     if not fits:
         return {}
     first, device = min(fits), next(model.parameters()).device
     equal: dict[int, list[torch.Tensor]] = {cut: [] for cut in fits}
-    count = 0
-    for count, prompt in enumerate(prompts, 1):
-        ids = torch.tensor([prompt.ids], device=device)
+    done = 0
+    for group in _batches(list(prompts), batch):
+        ids = torch.tensor([p.ids for p in group], device=device)  # [B, N]
         run = teacher_run(model, ids, first, continuation)
-        targets = head_logits(model, run.teacher).argmax(-1)  # [1, C]: the full model's greedy tokens
+        targets = head_logits(model, run.teacher).argmax(-1)  # [B, C]: the full model's greedy tokens
+        rows = torch.arange(len(group))
         for cut, weights in fits.items():
             h_cut, h_in, geometry = run.at(cut)
             data = Windows(h_cut, h_in, torch.empty(0), targets, None, geometry)
-            logits = student_logits(model, data, torch.tensor([0]), weights or {})  # [1, C, V]
-            equal[cut].append((logits.argmax(-1) == targets)[0].long().cpu())  # [C]
+            logits = student_logits(model, data, rows, weights or {})  # [B, C, V]
+            equal[cut].append((logits.argmax(-1) == targets).long().cpu())  # [B, C]
+        done += len(group)
         if progress is not None:
-            progress(count)
-    return {cut: _quality(cut, torch.stack(rows), continuation) for cut, rows in equal.items() if rows}
+            progress(done)
+    return {cut: _quality(cut, torch.cat(rows), continuation) for cut, rows in equal.items() if rows}
+
+
+def _batches(prompts: list[FloorPrompt], size: int) -> list[list[FloorPrompt]]:
+    """Consecutive prompts of one length, ``size`` at most per batch."""
+    groups: list[list[FloorPrompt]] = []
+    for prompt in prompts:
+        if groups and len(groups[-1]) < size and len(groups[-1][0].ids) == len(prompt.ids):
+            groups[-1].append(prompt)
+        else:
+            groups.append([prompt])
+    return groups
 
 
 def _quality(cut: int, equal: torch.Tensor, continuation: int) -> CutQuality:
@@ -87,3 +104,83 @@ def choose_cut(qualities: Mapping[int, CutQuality], floor: QualityFloor, num_lay
             break
         chosen = cut
     return chosen
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line for whoever draws the compile's progress (commands/fitprogress.py prints ``line()``)."""
+
+    text: str
+    fallback: str | None = None
+
+    def line(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class FloorSearch:
+    """The cut ``choose_cut`` took from ``curve`` (each candidate's quality with the search's weights:
+    POP+ fitted on ``search_tokens`` tokens, or the layers' own with ``fitted`` False), on ``prompts``."""
+
+    floor: QualityFloor
+    curve: dict[int, CutQuality]
+    cut: int
+    num_layers: int
+    fitted: bool
+    prompts: tuple[FloorPrompt, ...]
+
+    def record(self, shipped: CutQuality | None, method: str | None, third: int) -> dict:
+        """The manifest's ``extra.cut_choice``: the floor, the prompts' provenance, the curve, the chosen
+        cut's quality with the fit that ships (``method``), the paper's third (cut ``third``) beside it."""
+        return {"method": "quality floor", "min_agreement": self.floor.min_agreement, "cut": self.cut,
+                "prompts": len(self.prompts), "continuation": self.floor.continuation,
+                "provenance": PROVENANCE,
+                "search_fit": f"ridge (POP+) on {self.floor.search_tokens} tokens" if self.fitted else "none",
+                "curve": [q.to_dict() for q in self.curve.values()],
+                "shipped": None if shipped is None else {**shipped.to_dict(), "fit": method},
+                "paper_third": self.curve[third].to_dict() if third in self.curve else None}
+
+
+#: where the floor's prompts come from (floor_prompts.py), as the manifest records it
+PROVENANCE = ("measure/floor_prompts.py: code, docstring and licence prose of standard-library modules "
+              "held out of calibration and evaluation, raw and under the chat template")
+
+
+def search(model: torch.nn.Module, tokenizer, floor: QualityFloor, *, fitted: bool, ridge: float, bias: bool,
+           seq_len: int, progress: Callable | None = None) -> FloorSearch:
+    """Measure every candidate cut (``floor.candidates``) and choose one. ``fitted``: with POP+ weights
+    fitted at every candidate in one pass over ``floor.search_tokens`` tokens of the built-in corpus
+    (``ridge``, ``bias``, windows of ``seq_len``), else the layers' own (kv_calibration none).
+    ``progress(DistillProgress)``: phases "floor ridge" (tokens), "floor search" (prompts)."""
+    from ..kvfit.calibrate import default_batches, ridge_fits
+    from ..kvfit.distill import DistillProgress
+
+    report = progress or (lambda event: None)
+    layers = model.config.get_text_config().num_hidden_layers
+    cuts = floor.candidates(layers)
+    prompts = tuple(floor_prompts(tokenizer, floor.prompts))
+    fits: dict[int, Weights | None] = dict.fromkeys(cuts)
+    if fitted:
+        batches = default_batches(tokenizer, seq_len=seq_len, max_tokens=floor.search_tokens)
+        total, done = sum(b.numel() for b in batches), [0]
+
+        def counted(count: int) -> None:
+            done[0] += count
+            report(DistillProgress("floor ridge", done[0], total))
+        fits.update({c: f.weights for c, f in ridge_fits(model, batches, [c for c in cuts if c < layers - 1],
+                                                          ridge=ridge, bias=bias, progress=counted).items()})
+    curve = measure_cuts(model, prompts, fits, floor.continuation,
+                         progress=lambda n: report(DistillProgress("floor search", n, len(prompts))))
+    return FloorSearch(floor, curve, choose_cut(curve, floor, layers), layers, fitted, prompts)
+
+
+def check_shipped(model: torch.nn.Module, found: FloorSearch, weights: Weights | None,
+                  progress: Callable | None = None) -> CutQuality | None:
+    """The chosen cut's quality with the weights that ship (None when the cut prunes nothing)."""
+    from ..kvfit.distill import DistillProgress
+
+    if found.cut >= found.num_layers:
+        return None
+    report, total = progress or (lambda event: None), len(found.prompts)
+    return measure_cuts(model, found.prompts, {found.cut: weights}, found.floor.continuation,
+                        progress=lambda n: report(DistillProgress("floor check", n, total)))[found.cut]

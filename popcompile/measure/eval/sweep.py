@@ -3,16 +3,14 @@
 ``sweep`` runs the continuation task (``evaluate.continuation_eval``) for ``pop``, ``pop-kvfit`` and/or
 ``pop-distill`` (one distillation per cut: minutes each) at every cut from L down to ceil(L/2); each row
 carries the prefill FLOP-bound speedup of its cut at
-the prefix length. ``auto_cut`` picks the deepest-pruning cut that keeps a given top-1 agreement;
-``choose_cut`` does both on the built-in evaluation data for ``popcompile export --cut auto``.
+the prefix length. ``auto_cut`` picks the deepest-pruning cut that keeps a given top-1 agreement (eval's
+report); ``export --cut auto`` chooses with the quality floor (measure/floor.py) instead.
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ...config import KVCalibration
 from ...errors import ConfigError
 from ...reference import Variant
 from . import data as eval_data
@@ -21,9 +19,6 @@ SWEEP_VARIANTS = ("pop", "pop-kvfit", "pop-distill")
 #: the curves ``--sweep`` draws when no variants are named: pop-distill (a distillation per cut) only on
 #: request
 DEFAULT_SWEEP = ("pop", "pop-kvfit")
-#: kv_calibration mode -> the variant choose_cut scores. distill is chosen on its ridge start (pop-kvfit): a
-#: distillation per cut would take hours, and the distilled weights start from that fit
-CHOICE_VARIANT = {"none": "pop", "auto": "pop-kvfit", "ridge": "pop-kvfit", "distill": "pop-kvfit"}
 METRICS = ("nll", "perplexity", "agreement", "accuracy", "kl_to_full")
 DATA_NAME = "continuation: stdlib sources + HumanEval solutions (eval_data.continuation_documents)"
 
@@ -101,47 +96,6 @@ def auto_cuts(rows: list[dict], thresholds: Iterable[float]) -> dict[str, dict[s
             except ValueError:
                 picks[name][str(threshold)] = None
     return picks
-
-
-def choose_cut(model: Any, min_agreement: float, *, kv_calibration: KVCalibration | str | bool | None = None,
-               limit: int | None = 12,
-               prefix_len: int = 512, cont_len: int = 48, batch_size: int | None = None) -> tuple[int, dict]:
-    """The deepest-pruning cut whose top-1 agreement with the full model is >= ``min_agreement`` on the
-    built-in continuation data, and the figures to record (a small JSON-able dict).
-
-    ``model``: a shipped name / path (loaded here) or a ``models.LoadedModel``. ``kv_calibration``
-    (config.KVCalibration or what it takes): auto scores ``pop-kvfit`` (POP+ weights fitted on the built-in
-    calibration corpus, every cut in one pass) instead of ``pop``, as the engine will be exported; distill
-    scores pop-kvfit too (CHOICE_VARIANT); a file, fitted for one cut, cannot be swept (ConfigError).
-    Cost: one continuation pass per cut L..ceil(L/2) over ``limit`` documents (SmolLM2, 12 documents:
-    about 10 minutes on 2 CPU cores). Raises ValueError when no cut reaches the agreement.
-    """
-    from ...frontend.models import load_model
-    from ...reference import decoder_layers
-    from .scoring import default_kv_fit
-
-    if not 0.0 <= min_agreement <= 1.0:
-        raise ConfigError(f"min_agreement={min_agreement} is out of range: use 0..1")
-    kv = KVCalibration.of(kv_calibration)
-    if kv.mode == "file":
-        raise ConfigError(f"the cut sweep fits POP+ for every cut itself; {kv.path} was fitted for one cut: "
-                          "give kv_calibration auto, distill or none")
-    loaded = load_model(model) if isinstance(model, (str, Path)) else model
-    layers = len(decoder_layers(loaded.model))
-    docs, _ = eval_data.continuation_documents(loaded.tokenizer, prefix_len, cont_len, limit)
-    name = CHOICE_VARIANT[kv.mode]
-    kv_fit = default_kv_fit(loaded, sweep_cuts(layers)) if name == "pop-kvfit" else None
-    rows = sweep(loaded.model, docs, batch_size=batch_size, variants=[name], kv_fit=kv_fit)
-    cut = auto_cut(rows, min_agreement, name)
-    row = next(r for r in rows if r["cut"] == cut)
-    figures = {"min_agreement": min_agreement, "variant": name, "cut": cut,
-               "agreement": round(row["agreement"], 4), "nll": round(row["nll"], 4),
-               "perplexity": round(row["perplexity"], 3), "speedup_bound": round(row["speedup_bound"], 4),
-               # pop at cut L = full
-               "nll_full": round(next(r["nll"] for r in rows if r["cut"] == layers), 4),
-               "data": DATA_NAME, "documents": len(docs), "prefix_len": prefix_len, "cont_len": cont_len,
-               "curve": [{"cut": r["cut"], "agreement": round(r["agreement"], 4)} for r in rows]}
-    return cut, figures
 
 
 def sweep_variant_names(variant_names: Iterable[str] | None) -> list[str]:
