@@ -35,10 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import resource
-import threading
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +56,11 @@ from .kvfit.budget import available_memory
 from .kvfit.calibrate import KVFit, load_file_fit
 from .kvfit.fit import DISTILL_STEP, fit_method, resolve_fit
 from .measure.floor import CutQuality, FloorSearch, Note, check_shipped
+from .measure.floor import estimate_s as floor_estimate_s
 from .measure.floor import search as floor_search
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
+from .stepmeter import StepMeter, StepRecord, rss_bytes  # noqa: F401  (StepRecord, rss_bytes: public here)
 from .threshold import FIXED_MIN_PROMPT_TOKENS
 
 if TYPE_CHECKING:
@@ -184,21 +182,31 @@ def _distill(c: Compilation) -> None:
 
 def _choose_cut(c: Compilation) -> None:
     """The quality floor's search (measure/floor.py) on the whole model: a model built without its weights
-    reads them now (the search runs it many times), or, when they do not fit in memory, the search is
-    skipped for the paper's third, in one line."""
-    model, lazy = c.loaded.model, c.loaded.lazy
-    if lazy is not None and (need := lazy.placeholder_bytes(model)) > (free := available_memory()):
-        c.floor_skipped = (f"quality floor skipped: the model's float32 weights ({need / 2**30:.1f} GiB) "
-                           f"exceed the memory available ({free / 2**30:.1f} GiB); cut at the paper's third "
-                           "(--cut N or --prune-ratio R to choose)")
-        (c.fit_progress or _warn)(Note(c.floor_skipped))
+    reads them now (the search runs it many times). Skipped, in one line and in the manifest, for the
+    paper's third when the weights do not fit in memory or the estimate exceeds the calibration budget."""
+    model, lazy, floor = c.loaded.model, c.loaded.lazy, c.config.quality_floor
+    fit, fitted = dataclasses.replace(c.config.kv_fit, method="ridge"), c.config.kv_calibration.mode != "none"
+    need = 0 if lazy is None else lazy.placeholder_bytes(model)
+    estimate, budget = floor_estimate_s(model, floor, fitted=fitted, seq_len=fit.seq_len), fit.budget_s
+    if need > (free := available_memory()):
+        why = (f"the model's float32 weights ({need / 2**30:.1f} GiB) exceed the memory available "
+               f"({free / 2**30:.1f} GiB)")
+    elif budget is not None and estimate > budget:
+        why = f"its estimate (~{estimate / 60:.0f} min) exceeds --calibration-budget {budget:.0f} s"
+    else:
+        why = None
+    report = c.fit_progress or _warn
+    if why is not None:
+        c.floor_skipped = (f"quality floor skipped: {why}; cut at the paper's third (--cut N or "
+                           "--prune-ratio R to choose)")
+        report(Note(c.floor_skipped))
         return
+    report(Note(f"choosing the cut: the quality floor ({floor.min_agreement:.0%} of {floor.prompts} held-out "
+                f"prompts), ~{estimate / 60:.0f} min estimated"))
     if lazy is not None:
         lazy.materialise(model)
-    fit = dataclasses.replace(c.config.kv_fit, method="ridge")
     with torch.no_grad():
-        c.floor = floor_search(model, c.loaded.tokenizer, c.config.quality_floor,
-                               fitted=c.config.kv_calibration.mode != "none", ridge=fit.ridge,
+        c.floor = floor_search(model, c.loaded.tokenizer, floor, fitted=fitted, ridge=fit.ridge,
                                bias=fit.fits_bias, seq_len=fit.seq_len, progress=c.fit_progress)
 
 
@@ -308,100 +316,6 @@ def _run(step: CompileStep, c: Compilation, meter: StepMeter) -> None:
     elif not step.progress_names(c.target):
         meter.start(step.name)
     step.run(c)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step of a compile as measured: wall seconds, and the process's resident memory (bytes): the highest
-    sampled while it ran, and at its end."""
-
-    name: str
-    seconds: float
-    peak_rss: int
-    end_rss: int
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "seconds": round(self.seconds, 3), "peak_rss_bytes": self.peak_rss,
-                "end_rss_bytes": self.end_rss}
-
-
-class StepMeter:
-    """Times each step of a compile and samples the process's resident set size (RSS) while it runs.
-
-    The peak per step is *sampled*: a daemon thread reads /proc/self/statm every ``interval`` seconds (and at
-    each step's start and end), so a spike shorter than the interval can be missed. getrusage's ru_maxrss (a
-    process-lifetime peak, never lowered) is folded in wherever it rose during the step, so no step's peak is
-    below the true peak when that peak was reached within it. Where /proc is missing (not Linux) only
-    ru_maxrss is read: then each step's peak is the running peak of the process so far.
-    """
-
-    def __init__(self, sink: Callable[[StepRecord], None], interval: float = 0.02) -> None:
-        self._sink, self._interval = sink, interval
-        self._lock = threading.Lock()
-        self._name: str | None = None
-        self._started = self._peak = self._maxrss = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def reporting(self, progress: Callable[[str], None]) -> Callable[[str], None]:
-        """``progress`` that also starts a record at each name."""
-        def report(name: str) -> None:
-            self.start(name)
-            progress(name)
-        return report
-
-    def start(self, name: str) -> None:
-        """Ends the step running (its record to the sink) and starts ``name``."""
-        self._finish()
-        rss = rss_bytes()
-        with self._lock:
-            self._name, self._started, self._peak, self._maxrss = name, time.perf_counter(), rss, _maxrss()
-
-    def __enter__(self) -> StepMeter:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, name="popcompile-step-meter", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if exc[0] is None:
-            self._finish()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self._interval):
-            rss = rss_bytes()
-            with self._lock:
-                self._peak = max(self._peak, rss)
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self._name is None:
-                return
-            end, maxrss = rss_bytes(), _maxrss()
-            peak = max(self._peak, end, maxrss if maxrss > self._maxrss or not _HAS_STATM else 0)
-            record = StepRecord(self._name, time.perf_counter() - self._started, peak, end)
-            self._name = None
-        self._sink(record)
-
-
-_HAS_STATM = os.path.exists("/proc/self/statm")
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_bytes() -> int:
-    """The process's resident set size now (bytes); ru_maxrss where /proc is missing."""
-    if not _HAS_STATM:
-        return _maxrss()
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * _PAGE
-
-
-def _maxrss() -> int:
-    """getrusage's lifetime peak RSS in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def steps(config: PopConfig, target: str | Target = "onnx") -> list[str]:

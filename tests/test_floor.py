@@ -17,6 +17,7 @@ from popcompile.config import KVFitConfig, PopConfig, QualityFloor
 from popcompile.driver import compile
 from popcompile.engine.manifest import EngineManifest
 from popcompile.errors import ConfigError
+from popcompile.frontend.models import load_model
 from popcompile.kvfit.calibrate import ridge_fits
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES
 from popcompile.measure.eval.scoring import matched_prefix
@@ -148,3 +149,23 @@ def test_cli_cut_auto_is_the_quality_floor_and_prints_it(folder, tmp_path, cli):
                "--kv-calibration", "none", "--max-seq", "64", "--min-prompt-tokens", "0")
     assert "keeps the full model's first token on" in done.stdout and "floor 50%" in done.stdout
     assert EngineManifest.read(tmp_path / "floor").extra["cut_choice"]["min_agreement"] == 0.5
+
+
+def test_a_floor_over_the_budget_is_skipped_for_the_papers_third_in_one_line(folder, tmp_path):
+    config = PopConfig(quality_floor=floor(), kv_calibration="none", max_seq=64, min_prompt_tokens=0,
+                       kv_fit=KVFitConfig(budget_s=1e-6))
+    events = []
+    manifest = compile(str(folder), config, out=tmp_path / "e", fit_progress=events.append)
+    skipped = manifest.extra["cut_choice"]["skipped"]
+    assert manifest.cut == 4 and skipped.startswith("quality floor skipped: its estimate (~")
+    assert "exceeds --calibration-budget 0 s; cut at the paper's third" in skipped
+    assert [event.line() for event in events] == [skipped] and quality_line(manifest.extra["cut_choice"])
+
+
+def test_the_estimate_grows_with_the_work(folder):
+    from popcompile.measure.floor import estimate_s
+
+    model = load_model(str(folder)).model
+    small = estimate_s(model, floor(prompts=8), fitted=False, seq_len=32)
+    assert 0 < small < estimate_s(model, floor(prompts=64), fitted=False, seq_len=32)
+    assert small < estimate_s(model, floor(prompts=8), fitted=True, seq_len=32)

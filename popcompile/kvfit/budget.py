@@ -159,6 +159,33 @@ def ridge_work(g: Geometry, cut: int, batches: list[tuple[int, int]]) -> Work:
     return work + _solves(g, cut)
 
 
+def floor_work(g: Geometry, cuts: list[int], prompts: int, length: int, continuation: int, batch: int,
+               search: list[tuple[int, int]]) -> Work:
+    """The quality floor's search (measure/floor.search): POP+ at every cut in ``cuts`` from one pass over
+    the ``search`` batches [(B, T)] (empty: no fit), then per batch of ``batch`` prompts of ``length``
+    tokens the teacher (the prompt, ``continuation`` - 1 greedy steps, the scored rows) and per cut the deep
+    layers on the scored rows and the LM head on them; the chosen cut measured again (one more teacher)."""
+    if not cuts:
+        return Work(0)
+    layers, c = g.num_hidden_layers, continuation
+    work = Work(0)
+    for rows, size in search:
+        work = work + _model_call(g, 0, size, head=False) * rows
+        work = work + sum((_moments(g, cut, rows * size) for cut in cuts), Work(0))
+    if search:
+        work = work + sum((_solves(g, cut) for cut in cuts), Work(0))
+    p = length - 1
+    teacher = _model_call(g, 0, p) * batch + _model_call(g, p, c) * batch
+    for i in range(c - 1):  # a greedy step runs the batch together: FLOPs per row, dispatches once
+        step = _model_call(g, p + i, 1)
+        teacher = teacher + Work(step.flops * batch, step.ops)
+    head = 2 * g.hidden_size * g.vocab_size * c * batch
+    student = sum((Work((layers - cut) * (g.kv(p) + g.layer(p, c)) * batch + head,
+                        MODEL_OPS + (layers - cut) * LAYER_OPS) for cut in cuts), Work(0))
+    batches = -(-prompts // batch)
+    return work + (teacher * 2 + student) * batches
+
+
 def distill_work(g: Geometry, cut: int, windows: int, length: int, config: KVFitConfig) -> Work:
     """ridge_then_distill over ``windows`` windows of ``length`` tokens (module docstring)."""
     d, layers, dc = g.hidden_size, g.num_hidden_layers, config.distill

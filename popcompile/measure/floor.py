@@ -23,7 +23,7 @@ import torch
 
 from ..config import QualityFloor
 from ..kvfit.student import Weights, Windows, head_logits, student_logits, teacher_run
-from .floor_prompts import FloorPrompt, floor_prompts
+from .floor_prompts import LENGTH, FloorPrompt, floor_prompts
 
 #: prompts per full-model pass (the teacher's greedy steps run them together)
 BATCH = 8
@@ -144,6 +144,21 @@ class FloorSearch:
 #: where the floor's prompts come from (floor_prompts.py), as the manifest records it
 PROVENANCE = ("measure/floor_prompts.py: code, docstring and licence prose of standard-library modules "
               "held out of calibration and evaluation, raw and under the chat template")
+
+
+def estimate_s(model: torch.nn.Module, floor: QualityFloor, *, fitted: bool, seq_len: int,
+               length: int = LENGTH) -> float:
+    """Seconds ``search`` and ``check_shipped`` should take on the model's device (kvfit/budget.py: the
+    FLOPs and dispatches of ``floor_work`` over the device's measured speed)."""
+    from ..cost import Geometry
+    from ..kvfit.budget import device_speed, floor_work, in_batches
+
+    text = model.config.get_text_config()
+    cuts = floor.candidates(text.num_hidden_layers)
+    search = in_batches([(floor.search_tokens // seq_len, seq_len)]) if fitted else []
+    work = floor_work(Geometry.from_config(text), cuts, floor.prompts, length, floor.continuation, BATCH,
+                      search)
+    return work.seconds(device_speed(next(model.parameters()).device))
 
 
 def search(model: torch.nn.Module, tokenizer, floor: QualityFloor, *, fitted: bool, ridge: float, bias: bool,
