@@ -215,6 +215,10 @@ class PopConfig:
         if self.quality_floor is not None and (self.cut is not None or self.prune_ratio is not None):
             raise ConfigError("quality_floor chooses the cut (--cut auto); cut / prune_ratio (--cut N, "
                               "--prune-ratio R) fix it: give one")
+        if self.quality_floor is not None and self.kv_calibration.path is not None:
+            raise ConfigError(f"quality_floor chooses the cut (--cut auto), but the calibration file "
+                              f"{self.kv_calibration.path} was fitted for one cut: give that cut (--cut N), "
+                              "or kv_calibration auto to fit at the chosen cut")
         if not isinstance(self.kv_fit, KVFitConfig):
             raise ConfigError(f"kv_fit={self.kv_fit!r} is not a KVFitConfig: give "
                               "KVFitConfig(distill=DistillConfig(steps=...)) or leave the default")

@@ -185,7 +185,7 @@ def _choose_cut(c: Compilation) -> None:
     reads them now (the search runs it many times). Skipped, in one line and in the manifest, for the
     paper's third when the weights do not fit in memory or the estimate exceeds the calibration budget."""
     model, lazy, floor = c.loaded.model, c.loaded.lazy, c.config.quality_floor
-    fit, fitted = dataclasses.replace(c.config.kv_fit, method="ridge"), c.config.kv_calibration.mode != "none"
+    fit, fitted = dataclasses.replace(c.config.kv_fit, method="ridge"), c.config.kv_calibration.fits_now
     need = 0 if lazy is None else lazy.placeholder_bytes(model)
     estimate, budget = floor_estimate_s(model, floor, fitted=fitted, seq_len=fit.seq_len), fit.budget_s
     if need > (free := available_memory()):

@@ -186,6 +186,14 @@ def floor_work(g: Geometry, cuts: list[int], prompts: int, length: int, continua
     return work + (teacher * 2 + student) * batches
 
 
+def floor_seconds(model, cuts: list[int], prompts: int, length: int, continuation: int, batch: int,
+                  search: list[tuple[int, int]]) -> float:
+    """``floor_work`` over the measured speed of the model's device (measure/floor.estimate_s)."""
+    g = Geometry.from_config(model.config.get_text_config())
+    work = floor_work(g, cuts, prompts, length, continuation, batch, search)
+    return work.seconds(device_speed(next(model.parameters()).device))
+
+
 def distill_work(g: Geometry, cut: int, windows: int, length: int, config: KVFitConfig) -> Work:
     """ridge_then_distill over ``windows`` windows of ``length`` tokens (module docstring)."""
     d, layers, dc = g.hidden_size, g.num_hidden_layers, config.distill

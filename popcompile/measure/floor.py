@@ -150,15 +150,11 @@ def estimate_s(model: torch.nn.Module, floor: QualityFloor, *, fitted: bool, seq
                length: int = LENGTH) -> float:
     """Seconds ``search`` and ``check_shipped`` should take on the model's device (kvfit/budget.py: the
     FLOPs and dispatches of ``floor_work`` over the device's measured speed)."""
-    from ..cost import Geometry
-    from ..kvfit.budget import device_speed, floor_work, in_batches
+    from ..kvfit.budget import floor_seconds, in_batches
 
-    text = model.config.get_text_config()
-    cuts = floor.candidates(text.num_hidden_layers)
+    cuts = floor.candidates(model.config.get_text_config().num_hidden_layers)
     search = in_batches([(floor.search_tokens // seq_len, seq_len)]) if fitted else []
-    work = floor_work(Geometry.from_config(text), cuts, floor.prompts, length, floor.continuation, BATCH,
-                      search)
-    return work.seconds(device_speed(next(model.parameters()).device))
+    return floor_seconds(model, cuts, floor.prompts, length, floor.continuation, BATCH, search)
 
 
 def search(model: torch.nn.Module, tokenizer, floor: QualityFloor, *, fitted: bool, ridge: float, bias: bool,
