@@ -191,7 +191,7 @@ class PopConfig:
     kv_fit: "KVFitConfig" = field(default_factory=lambda: KVFitConfig())
     #: how an automatic cut was chosen (method, figures): recorded in the manifest's ``extra``
     cut_choice: Mapping[str, Any] | None = field(default=None, compare=False)
-    #: choose the cut at compile time: the deepest that keeps the full model's answer (measure/floor.py)
+    #: choose the cut at compile time: the deepest that keeps the full model's answer (quality/floor.py)
     quality_floor: QualityFloor | None = None
 
     def __post_init__(self) -> None:
@@ -230,9 +230,9 @@ class PopConfig:
 
 @dataclass(frozen=True)
 class QualityFloor:
-    """How ``--cut auto`` chooses the cut (measure/floor.py): the deepest cut whose POP keeps the full
+    """How ``--cut auto`` chooses the cut (quality/floor.py): the deepest cut whose POP keeps the full
     model's first generated token on at least ``min_agreement`` of ``prompts`` built-in held-out prompts
-    (measure/floor_prompts.py), measured teacher-forced over ``continuation`` greedy tokens with POP+ weights
+    (quality/prompts.py), measured teacher-forced over ``continuation`` greedy tokens with POP+ weights
     fitted at every candidate cut on ``search_tokens`` calibration tokens; candidates from L-1 down to
     ``L - floor(L * max_prune)``. The fit that ships is then made at the chosen cut and measured again."""
 

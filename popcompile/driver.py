@@ -4,7 +4,7 @@
 read and fill in); the progress bar and ``steps()`` read the names from that list:
 
     load                  frontend.models.load_model  a shipped name, a .gguf, a HF folder (or a LoadedModel)
-    choose cut            measure.floor.search        with PopConfig.quality_floor (--cut auto): POP+ at every
+    choose cut            quality.floor.search        with PopConfig.quality_floor (--cut auto): POP+ at every
                                                       candidate cut on held-out prompts; the deepest cut
                                                       that keeps the full model's first token often enough
     calibrate             config.resolve_cut,         the cut for this model's depth, resolved once; POP+
@@ -12,7 +12,7 @@ read and fill in); the progress bar and ``steps()`` read the names from that lis
     distill               kvfit.fit.resolve_fit       POP++ weights (minutes): distill, auto on a text model;
                                                       estimated first, on KVFitConfig.device, within its
                                                       budget (kvfit/budget.py: may fall back to POP+)
-    check quality         measure.floor.check_shipped the chosen cut with the weights that ship, recorded
+    check quality         quality.floor.check_shipped the chosen cut with the weights that ship, recorded
     (cast)                cast_model                  the model in the engine's dtype (no progress name)
     capture               frontend.capture.capture    the decode graph (torch.export, explicit KV interface)
     POP pass              passes.prefill.pop_graphs   the prefill graph (passes/boundary.py or passes/pop.py)
@@ -51,15 +51,16 @@ from .exporters.targets import Compiled, Target, target_for
 from .frontend.capture import CapturedModel, capture
 from .frontend.models import LoadedModel, load_model
 from .frontend.vision import check_cut as check_vision_cut
+from .frontend.vision import is_vision_language
 from .fsutil import destination_lock, staged_folder
 from .kvfit.budget import available_memory
 from .kvfit.calibrate import KVFit, load_file_fit
 from .kvfit.fit import DISTILL_STEP, fit_method, resolve_fit
-from .measure.floor import CutQuality, FloorSearch, Note, check_shipped
-from .measure.floor import estimate_s as floor_estimate_s
-from .measure.floor import search as floor_search
 from .passes.pop import KVWeights
 from .passes.prefill import GraphPair, pop_graphs
+from .quality.floor import CutQuality, FloorSearch, Note, check_shipped
+from .quality.floor import estimate_s as floor_estimate_s
+from .quality.floor import search as floor_search
 from .stepmeter import StepMeter, StepRecord, rss_bytes  # noqa: F401  (StepRecord, rss_bytes: public here)
 from .threshold import FIXED_MIN_PROMPT_TOKENS
 
@@ -86,7 +87,7 @@ class Compilation:
     owned: bool = False                   # load: the driver loaded the model, so it may cast it in place
     floor: FloorSearch | None = None      # choose cut: the quality floor's measurements and choice
     shipped: CutQuality | None = None     # check quality: the chosen cut with the fit that ships
-    floor_skipped: str | None = None      # choose cut: why the search did not run
+    choice: dict | None = None            # choose cut: the record of a skipped search
     cut: int | None = None                # calibrate: the first pruned layer, resolved once
     fit: KVFit | None = None              # calibrate or distill: the pruned layers' K/V weights (None: own)
     captured: CapturedModel | None = None  # capture
@@ -105,8 +106,8 @@ class Compilation:
         if self.floor is not None:
             third = resolve_cut(self.floor.num_layers)
             choice = self.floor.record(self.shipped, self.fit.info.method if self.fit else "none", third)
-        elif self.floor_skipped is not None:
-            choice = {"method": "quality floor", "skipped": self.floor_skipped}
+        elif self.choice is not None:
+            choice = self.choice
         provenance = {"kv_calibration": dataclasses.asdict(self.fit.info) if self.fit else None,
                       "cut_choice": choice}
         if self.fit is not None and self.fit.record is not None:  # fitted now: how, where, how long
@@ -181,25 +182,29 @@ def _distill(c: Compilation) -> None:
 
 
 def _choose_cut(c: Compilation) -> None:
-    """The quality floor's search (measure/floor.py) on the whole model: a model built without its weights
+    """The quality floor's search (quality/floor.py) on the whole model: a model built without its weights
     reads them now (the search runs it many times). Skipped, in one line and in the manifest, for the
     paper's third when the weights do not fit in memory or the estimate exceeds the calibration budget."""
     model, lazy, floor = c.loaded.model, c.loaded.lazy, c.config.quality_floor
+    report = c.fit_progress or _warn
     fit, fitted = dataclasses.replace(c.config.kv_fit, method="ridge"), c.config.kv_calibration.fits_now
     need = 0 if lazy is None else lazy.placeholder_bytes(model)
     estimate, budget = floor_estimate_s(model, floor, fitted=fitted, seq_len=fit.seq_len), fit.budget_s
-    if need > (free := available_memory()):
+    if is_vision_language(model):
+        why = ("its prompts are text only and this is a vision-language model (--cut auto --budget B "
+               "chooses with analyze, on image+text)")
+    elif need > (free := available_memory()):
         why = (f"the model's float32 weights ({need / 2**30:.1f} GiB) exceed the memory available "
                f"({free / 2**30:.1f} GiB)")
     elif budget is not None and estimate > budget:
         why = f"its estimate (~{estimate / 60:.0f} min) exceeds --calibration-budget {budget:.0f} s"
     else:
         why = None
-    report = c.fit_progress or _warn
     if why is not None:
-        c.floor_skipped = (f"quality floor skipped: {why}; cut at the paper's third (--cut N or "
-                           "--prune-ratio R to choose)")
-        report(Note(c.floor_skipped))
+        skipped = (f"quality floor skipped: {why}; cut at the paper's third (--cut N or --prune-ratio R to "
+                   "choose)")
+        c.choice = {"method": "quality floor", "skipped": skipped}
+        report(Note(skipped))
         return
     report(Note(f"choosing the cut: the quality floor ({floor.min_agreement:.0%} of {floor.prompts} held-out "
                 f"prompts), ~{estimate / 60:.0f} min estimated"))
@@ -208,6 +213,7 @@ def _choose_cut(c: Compilation) -> None:
     with torch.no_grad():
         c.floor = floor_search(model, c.loaded.tokenizer, floor, fitted=fitted, ridge=fit.ridge,
                                bias=fit.fits_bias, seq_len=fit.seq_len, progress=c.fit_progress)
+    report(Note(c.floor.summary()))
 
 
 def _warn(note: Note) -> None:

@@ -1,4 +1,4 @@
-"""The quality floor (measure/floor.py, floor_prompts.py): its teacher-forced measure equals free-running
+"""The quality floor (quality/floor.py, floor_prompts.py): its teacher-forced measure equals free-running
 greedy POP's (reference.generate) prompt by prompt, the cut it chooses, and its prompts' provenance."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from popcompile.frontend.models import load_model
 from popcompile.kvfit.calibrate import ridge_fits
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES
 from popcompile.measure.eval.scoring import matched_prefix
-from popcompile.measure.floor import CutQuality, FloorSearch, check_shipped, choose_cut, measure_cuts
-from popcompile.measure.floor_prompts import FLOOR_MODULES, KINDS, PER_KIND, FloorPrompt, floor_prompts, texts
+from popcompile.quality.floor import CutQuality, FloorSearch, check_shipped, choose_cut, measure_cuts
+from popcompile.quality.prompts import FLOOR_MODULES, KINDS, PER_KIND, FloorPrompt, floor_prompts, texts
 from popcompile.reference import Variant
 
 CONT = 8
@@ -128,10 +128,16 @@ def test_a_floor_no_cut_holds_prunes_nothing_and_says_so():
     cut = choose_cut(curve, QualityFloor(), 6)
     found = FloorSearch(QualityFloor(), curve, cut, 6, True, tuple(prompts(2)))
     assert found.cut == 6 and check_shipped(None, found, None) is None  # nothing pruned: nothing to measure
+    assert found.summary() == ("quality floor 95%: no cut holds it (the shallowest, cut 5: first token "
+                               "equal on 50% of 64 held-out prompts, matched prefix 5.0/32 with POP+); "
+                               "nothing pruned")
     record = found.record(None, "none", third=4)
     assert record["shipped"] is None and record["paper_third"]["cut"] == 4
     assert quality_line(record) == ("quality floor: no cut keeps the full model's first token on 95% of 2 "
                                     "held-out prompts; nothing pruned\n")
+    chosen = FloorSearch(QualityFloor(), {5: quality(5, 0.97), 4: quality(4, 0.4)}, 5, 6, False, ())
+    assert chosen.summary() == ("quality floor 95%: cut 5: first token equal on 97% of 64 held-out prompts, "
+                                "matched prefix 9.7/32 with POP; cut 4: 40%")
     shipped = quality(5, 0.97)
     line = quality_line(FloorSearch(QualityFloor(), curve, 5, 6, True, ()).record(shipped, "distill", 4))
     assert line == ("quality: cut 5 keeps the full model's first token on 97% of 64 held-out prompts, "
@@ -163,7 +169,7 @@ def test_a_floor_over_the_budget_is_skipped_for_the_papers_third_in_one_line(fol
 
 
 def test_the_estimate_grows_with_the_work(folder):
-    from popcompile.measure.floor import estimate_s
+    from popcompile.quality.floor import estimate_s
 
     model = load_model(str(folder)).model
     small = estimate_s(model, floor(prompts=8), fitted=False, seq_len=32)

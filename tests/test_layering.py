@@ -27,7 +27,7 @@ HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "tensorrt", "cuda")
 ENGINE_MAY_USE = ("popcompile.engine", "popcompile.errors", "popcompile.fsutil")
 RUNTIME_MUST_NOT_USE = ("popcompile.exporters", "popcompile.commands", "popcompile.measure")
 MAY_USE_TOOLS = ("popcompile.commands", "popcompile.measure")
-COMPILER = ("driver.py", "config.py", "frontend", "kvfit", "passes")
+COMPILER = ("driver.py", "config.py", "frontend", "kvfit", "passes", "quality")
 #: top-level part -> the parts it may import (besides itself). Read downward: a part names only parts listed
 #: before it, so the table is the layer order. ``vllm_plugin`` runs inside vLLM and needs only the contract.
 MAY_IMPORT = {
@@ -35,22 +35,24 @@ MAY_IMPORT = {
     "fsutil": {"errors"},
     "threshold": {"errors"},
     "cost": {"errors"},
+    "stepmeter": set(),
     "engine": {"errors", "fsutil"},
     "ort_passes": {"engine"},
     "config": {"engine", "errors", "threshold"},
     "frontend": {"engine", "errors"},
     "passes": {"config", "engine", "errors", "frontend"},
     "kvfit": {"config", "cost", "errors", "frontend", "fsutil", "passes"},
+    "quality": {"config", "errors", "frontend", "kvfit"},
     "reference": {"config", "errors", "frontend", "passes"},
     "runtime": {"cost", "engine", "errors", "fsutil", "threshold"},
     "vllm_plugin": {"config", "engine", "errors", "frontend", "fsutil", "threshold"},
     "exporters": {"config", "engine", "errors", "frontend", "fsutil", "kvfit", "ort_passes", "passes",
                   "vllm_plugin"},
     "dynamo": {"config", "errors", "frontend", "kvfit", "passes", "threshold"},
-    "driver": {"config", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit", "passes", "runtime",
-               "threshold"},
+    "driver": {"config", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit", "passes", "quality",
+               "runtime", "stepmeter", "threshold"},
     "measure": {"config", "cost", "driver", "engine", "errors", "frontend", "fsutil", "kvfit", "passes",
-                "reference", "runtime", "threshold"},
+                "quality", "reference", "runtime", "threshold"},
     "commands": {"config", "cost", "driver", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit",
                  "measure", "runtime", "threshold"},
     "cli": {"commands", "errors"},

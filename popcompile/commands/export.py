@@ -114,7 +114,7 @@ def cmd_export(args) -> None:
 
     _check_cut_options(args)
     floor = None
-    if args.cut == "auto" and args.budget is None:
+    if args.cut == "auto" and args.budget is None and not _vision_language(args):
         floor = QualityFloor(**({} if args.min_agreement is None else {"min_agreement": args.min_agreement}))
     config = PopConfig(cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio,
                        boundary=args.boundary, kv_calibration=args.kv_calibration, dtype=args.dtype,
@@ -161,6 +161,20 @@ def _target(args):
     return TARGETS[args.target]()
 
 
+def _vision_language(args) -> bool:
+    """Whether MODEL is a vision-language model (its config, read without the weights; a hub id is
+    downloaded here, where the export would download it): --cut auto then chooses with analyze, on image+text
+    (the quality floor's prompts are text)."""
+    from ..frontend.models import resolve_source
+    from ..frontend.vision import VISION_LANGUAGE
+
+    path = Path(resolve_source(args.model, revision=args.revision).path) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("model_type") in VISION_LANGUAGE
+    except (OSError, ValueError, AttributeError):
+        return False  # a GGUF file (no config.json) or a damaged one (load_model says so)
+
+
 def _check_auto_cut_calibration(args, config) -> None:
     """--cut auto chooses a cut; a calibration file was fitted for one: both cannot hold unless they agree."""
     if args.cut == "auto" and config.kv_calibration.mode == "file":
@@ -200,7 +214,7 @@ def _compile(args, config, target):
 
     # the driver loads the model (and so may read it in the engine's dtype and cast it in place) unless the
     # cut is chosen first by analyze (--budget), which runs it; the quality floor is a step of the driver
-    loaded, analyzed = args.model, args.cut == "auto" and args.budget is not None
+    loaded, analyzed = args.model, args.cut == "auto" and config.quality_floor is None
     if analyzed:
         loaded = load_model(args.model, revision=args.revision)
         from ..measure.autocut import choose_cut, describe

@@ -36,7 +36,7 @@ def summary(folder: Path, manifest) -> str:
 
 
 def quality_line(choice: dict | None) -> str:
-    """One line for a cut the quality floor chose (measure/floor.py): what it keeps, and the paper's third."""
+    """One line for a cut the quality floor chose (quality/floor.py): what it keeps, and the paper's third."""
     if not choice or choice.get("method") != "quality floor":
         return ""
     if choice.get("skipped"):

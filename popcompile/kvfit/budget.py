@@ -161,7 +161,7 @@ def ridge_work(g: Geometry, cut: int, batches: list[tuple[int, int]]) -> Work:
 
 def floor_work(g: Geometry, cuts: list[int], prompts: int, length: int, continuation: int, batch: int,
                search: list[tuple[int, int]]) -> Work:
-    """The quality floor's search (measure/floor.search): POP+ at every cut in ``cuts`` from one pass over
+    """The quality floor's search (quality/floor.search): POP+ at every cut in ``cuts`` from one pass over
     the ``search`` batches [(B, T)] (empty: no fit), then per batch of ``batch`` prompts of ``length``
     tokens the teacher (the prompt, ``continuation`` - 1 greedy steps, the scored rows) and per cut the deep
     layers on the scored rows and the LM head on them; the chosen cut measured again (one more teacher)."""
@@ -188,7 +188,7 @@ def floor_work(g: Geometry, cuts: list[int], prompts: int, length: int, continua
 
 def floor_seconds(model, cuts: list[int], prompts: int, length: int, continuation: int, batch: int,
                   search: list[tuple[int, int]]) -> float:
-    """``floor_work`` over the measured speed of the model's device (measure/floor.estimate_s)."""
+    """``floor_work`` over the measured speed of the model's device (quality/floor.estimate_s)."""
     g = Geometry.from_config(model.config.get_text_config())
     work = floor_work(g, cuts, prompts, length, continuation, batch, search)
     return work.seconds(device_speed(next(model.parameters()).device))

@@ -4,7 +4,7 @@
                most B of prefill importance (default analyze.DEFAULT_BUDGET)
 
 The CLI calls ``choose_cut`` before the driver and hands its cut and record to ``PopConfig`` (``cut``,
-``cut_choice``). ``--cut auto`` alone is the quality floor, a step of the driver (measure/floor.py).
+``cut_choice``). ``--cut auto`` alone is the quality floor, a step of the driver (quality/floor.py).
 """
 from __future__ import annotations
 

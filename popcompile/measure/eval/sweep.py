@@ -4,7 +4,7 @@
 ``pop-distill`` (one distillation per cut: minutes each) at every cut from L down to ceil(L/2); each row
 carries the prefill FLOP-bound speedup of its cut at
 the prefix length. ``auto_cut`` picks the deepest-pruning cut that keeps a given top-1 agreement (eval's
-report); ``export --cut auto`` chooses with the quality floor (measure/floor.py) instead.
+report); ``export --cut auto`` chooses with the quality floor (quality/floor.py) instead.
 """
 from __future__ import annotations
 
