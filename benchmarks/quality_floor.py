@@ -42,7 +42,8 @@ def run(model: str, floor: QualityFloor, shipped: bool) -> dict:
              "bound_256": round(speedup_bound(text, 256, q.cut), 3),
              "bound_2048": round(speedup_bound(text, 2048, q.cut), 3)} for q in found.curve.values()]
     result = {"model": model, "layers": text.num_hidden_layers, "chosen": found.cut,
-              "search_s": round(seconds, 1), "estimate_s": round(estimate, 1), "min_agreement": floor.min_agreement, "curve": rows,
+              "search_s": round(seconds, 1), "estimate_s": round(estimate, 1),
+              "min_agreement": floor.min_agreement, "curve": rows,
               "summary": found.summary()}
     if shipped:
         third = resolve_cut(text.num_hidden_layers)
