@@ -155,6 +155,10 @@ def test_cli_cut_auto_is_the_quality_floor_and_prints_it(folder, tmp_path, cli):
                "--kv-calibration", "none", "--max-seq", "64", "--min-prompt-tokens", "0")
     assert "keeps the full model's first token on" in done.stdout and "floor 50%" in done.stdout
     assert EngineManifest.read(tmp_path / "floor").extra["cut_choice"]["min_agreement"] == 0.5
+    compared = cli("run", tmp_path / "floor", "--prompt", "t1 t2 t3 t4 t5", "--compare",
+                   "--max-new-tokens", 2, "--min-prompt-tokens", 0)
+    choice = EngineManifest.read(tmp_path / "floor").extra["cut_choice"]
+    assert compared.stdout.splitlines()[-1] == quality_line(choice).strip() != ""
 
 
 def test_a_floor_over_the_budget_is_skipped_for_the_papers_third_in_one_line(folder, tmp_path):

@@ -208,9 +208,13 @@ def _compare(session, ids: list[int], sampling, choice, args, images: list) -> N
     if args.json:
         print(json.dumps({**result.to_dict(), "sampling": choice.to_dict()}))
         return
+    from .info import quality_line
+
     for name, run in (("POP", result.pop), ("full", result.full)):
         print(f"--- {name} ({len(run.token_ids)} tokens, {run.finish_reason}) ---\n{run.text.strip()}\n")
     print(result.summary())
+    extra = getattr(session.manifest, "extra", None) or {}
+    print(quality_line(extra.get("cut_choice")), end="")  # the engine's measured quality, when chosen so
 
 
 def _below_note(result, session, args) -> str:
