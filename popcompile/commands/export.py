@@ -113,6 +113,7 @@ def cmd_export(args) -> None:
     from ..exporters.checks import check_output_folder
 
     _check_cut_options(args)
+    _check_auto_cut_calibration(args)  # before the floor's config, which refuses a file without the cut
     floor = None
     if args.cut == "auto" and args.budget is None and not _vision_language(args):
         floor = QualityFloor(**({} if args.min_agreement is None else {"min_agreement": args.min_agreement}))
@@ -121,7 +122,6 @@ def cmd_export(args) -> None:
                        max_seq=args.max_seq, min_prompt_tokens=args.min_prompt_tokens,
                        kv_fit=KVFitConfig(**fit_options(args)), quality_floor=floor)
     target = _target(args)
-    _check_auto_cut_calibration(args, config)
     check_output_folder(args.out, args.force)
     if config.kv_calibration.fits_now:  # --device cuda without a GPU: fail now, not after the model loads
         from ..kvfit.budget import resolve_device
@@ -175,14 +175,17 @@ def _vision_language(args) -> bool:
         return False  # a GGUF file (no config.json) or a damaged one (load_model says so)
 
 
-def _check_auto_cut_calibration(args, config) -> None:
+def _check_auto_cut_calibration(args) -> None:
     """--cut auto chooses a cut; a calibration file was fitted for one: both cannot hold unless they agree."""
-    if args.cut == "auto" and config.kv_calibration.mode == "file":
+    from ..config import KVCalibration
+
+    kv = KVCalibration.of(args.kv_calibration)
+    if args.cut == "auto" and kv.mode == "file":
         from ..kvfit.calibrate import load_fit
 
-        cut = load_fit(config.kv_calibration.path).info.cut
-        raise CliError(f"--cut auto chooses the cut, but --kv-calibration {config.kv_calibration} was fitted "
-                       f"for cut {cut}: give --cut {cut}, or --kv-calibration auto to fit for the chosen cut")
+        cut = load_fit(kv.path).info.cut
+        raise CliError(f"--cut auto chooses the cut, but --kv-calibration {kv} was fitted for cut {cut}: "
+                       f"give --cut {cut}, or --kv-calibration auto to fit for the chosen cut")
 
 
 def _check_cut_options(args) -> None:
