@@ -1,6 +1,8 @@
 """`popcompile export` choices that need no real model: --cut auto, its options, bad values."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
@@ -81,3 +83,14 @@ def test_calibrate_names_a_bad_jsonl_before_loading_the_model(tmp_path, capsys):
                  "--jsonl", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"--jsonl {bad}: JSONL line 1" in err and "not-a-model" not in err
+
+
+def test_prune_ratio_takes_a_fraction_exactly():
+    """--prune-ratio 1/3 is the paper's third exactly (0.3333 would leave 30 layers at cut 21, not 20)."""
+    from popcompile.commands.common import _ratio
+    from popcompile.config import resolve_cut
+
+    assert resolve_cut(30, prune_ratio=_ratio("1/3")) == 20 and resolve_cut(30, prune_ratio=0.3333) == 21
+    assert _ratio("0.25") == 0.25 and _ratio(" 2/5 ") == 0.4
+    with pytest.raises(argparse.ArgumentTypeError, match="a number or a fraction such as 1/3, got 'a/b'"):
+        _ratio("a/b")

@@ -49,8 +49,9 @@ def add_cut_options(parser, *, allow_auto: bool = False) -> None:
                               "held-out prompts (the quality floor), or with --budget chosen by `analyze`")
     else:
         cut.add_argument("--cut", type=int, help="first pruned layer (1..L; L prunes nothing)")
-    cut.add_argument("--prune-ratio", type=float, help="fraction of layers to prune from the top "
-                                                       "(default 1/3: cut = L - floor(L/3))")
+    cut.add_argument("--prune-ratio", type=_ratio, metavar="{R,A/B}",
+                     help="fraction of layers to prune from the top, a number or a fraction (1/3, the "
+                          "paper's: cut = L - floor(L/3), the default without --cut)")
 
 
 def add_fit_options(parser) -> None:
@@ -83,6 +84,21 @@ def _seconds_or_none(text: str) -> float | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--calibration-budget must be seconds or none, got {text!r}") \
             from None
+
+
+def _ratio(text: str) -> float:
+    """``0.25`` or a fraction ``1/3`` (exact: 1/3 of 30 layers is 10)."""
+    from fractions import Fraction
+
+    try:
+        return float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        pass
+    try:
+        return float(text)  # nan, inf: a number the config's range check names
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prune-ratio must be a number or a fraction such as 1/3, got "
+                                         f"{text!r}") from None
 
 
 def _cut_or_auto(text: str) -> int | str:
