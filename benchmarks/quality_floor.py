@@ -48,6 +48,7 @@ def run(model: str, floor: QualityFloor, shipped: bool) -> dict:
               "search_s": round(seconds, 1), "estimate_s": round(estimate, 1),
               "min_agreement": floor.min_agreement, "curve": rows,
               "summary": found.summary()}
+    print(table(result), flush=True)  # the curve now; the shipped fits take minutes more
     if shipped:
         evaluation = greedy_prompts(loaded.tokenizer)[0]  # eval's 118 held-out prompts (the target)
         third = resolve_cut(text.num_hidden_layers)
@@ -94,9 +95,10 @@ def main() -> None:
     results = []
     for model in args.models:
         results.append(run(model, floor, args.shipped))
-        print(table(results[-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        if args.shipped:
+            print(table(results[-1]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
