@@ -1,7 +1,10 @@
 """The quality floor: how often POP at each cut keeps the full model's answer, and the cut that holds it.
 
     measure_cuts(model, prompts, fits)   {cut: CutQuality} on the floor's prompts (prompts.py)
-    choose_cut(qualities, floor)         the deepest cut whose first-token agreement meets the floor
+    choose_cut(qualities, floor)         the deepest cut meeting the floor, every shallower one meeting it too
+    search(model, tokenizer, floor)      POP+ at every candidate cut, measured, one chosen (FloorSearch)
+    check_shipped(model, found, weights) the chosen cut with the weights that ship
+    estimate_s(model, floor)             the search's time, before it runs (kvfit/budget.floor_work)
 
 One full-model pass per prompt serves every cut (kvfit/student.teacher_run: the input of every layer from
 the deepest candidate on, the full model's C greedy tokens), then per cut a pass of layers cut..L-1 over
@@ -11,8 +14,9 @@ full model's greedy tokens, POP's argmax agrees with them exactly as long as POP
     first_token      POP's first generated token equals the full model's (row 0: x_N's prediction)
     matched_prefix   the leading run of equal tokens, 0..C: what free-running greedy POP would match
 
-Cost (SmolLM2-135M, 64 prompts of ~300 tokens, C = 32, 15 cuts, two CPU cores): the full-model passes
-and C-1 greedy steps per prompt dominate; each cut adds its deep layers on C rows.
+Cost (SmolLM2-135M, 64 prompts of 256 tokens in batches of 8, C = 32, 15 cuts): the ridge pass over the
+search tokens and the full-model passes dominate; each cut adds its deep layers and the LM head on C rows.
+Estimated at ~5 min on two CPU cores (docs/results.md, "The quality floor").
 """
 from __future__ import annotations
 
