@@ -36,7 +36,7 @@ def register(sub) -> None:
                    help="with --cut auto: the quality floor, the share of 64 built-in held-out prompts on "
                         f"which POP's first token must equal the full model's (default "
                         f"{QualityFloor.min_agreement}); the deepest cut that holds it is taken, measured "
-                        "with POP+ weights at every cut (~5 min at 135M on 2 CPU cores, estimated and "
+                        "with POP+ weights at every cut (~2 min at 135M on 2 CPU cores, estimated and "
                         "printed first; skipped over --calibration-budget), and the "
                         "shipped fit is measured again at that cut (docs/results.md)")
     p.add_argument("--budget", type=float,

@@ -16,7 +16,7 @@ full model's greedy tokens, POP's argmax agrees with them exactly as long as POP
 
 Cost (SmolLM2-135M, 64 prompts of 256 tokens in batches of 8, C = 32, 15 cuts): the ridge pass over the
 search tokens and the full-model passes dominate; each cut adds its deep layers and the LM head on C rows.
-Estimated at ~5 min on two CPU cores (docs/results.md, "The quality floor").
+SmolLM2 on two CPU cores: 104 s measured, 96 s estimated (docs/results.md, "The quality floor").
 """
 from __future__ import annotations
 
