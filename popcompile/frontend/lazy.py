@@ -98,8 +98,7 @@ class LazyWeights:
                 if id(param) not in made:
                     made[id(param)] = torch.nn.Parameter(self.read(param), requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]
-        for ptr in [ptr for ptr in self.keys]:
-            self.keys.pop(ptr)
+        self.keys.clear()
 
 
 def placeholders(folder: Path, config: PretrainedConfig, dtype: torch.dtype
