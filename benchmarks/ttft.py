@@ -22,7 +22,8 @@ graph on x_1..x_N, the prefill graph on x_1..x_{N-1} and the boundary step, to s
     python benchmarks/ttft.py --engine E --tokens 512 2048 --reps 3  # an engine already exported
 
 An ``--engine`` folder (e.g. benchmarks/real_shapes.py --keep-engine) runs on random token ids of its
-vocabulary (seed 0): those models' word-level tokenizers know no real text, and the speed does not depend on it.
+vocabulary (seed 0): those models' word-level tokenizers know no real text, and the speed does not
+depend on it.
 """
 from __future__ import annotations
 
@@ -226,7 +227,8 @@ def main() -> None:
     print(f"{'model':14} {'tokens':>6} {'full s':>8} {'POP s':>8} {'ratio':>6} {'paired':>6} {'bound':>6} "
           f"{'of bound':>8} {'dec full':>8} {'dec POP':>8} {'dec ratio':>9}")
     targets = [(model, lambda model=model: engine(model, args.dtype, boundary=args.boundary))
-               for model in args.models] + [(folder.name, lambda folder=folder: folder) for folder in args.engine]
+               for model in args.models]
+    targets += [(folder.name, lambda folder=folder: folder) for folder in args.engine]
     for model, folder_of in targets:
         folder = folder_of()
         session = OrtSession(folder, provider=args.provider, threads=args.threads, io_binding=args.io_binding)
