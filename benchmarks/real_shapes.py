@@ -149,7 +149,7 @@ def run_export(model: Path, out: Path, weights: str, dtype: str, rss_limit: int,
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "popcompile.cli", "export", str(model), "--out", str(out),
                "--weights", weights, "--dtype", dtype, "--kv-calibration", kv_calibration,
-               "--min-prompt-tokens", "0", "--json", *extra]
+               "--min-prompt-tokens", "0", "--prune-ratio", "1/3", "--json", *extra]
     log = out.with_name(out.name + ".stderr.log")
     started, sampled, ended, peak = time.perf_counter(), 0, "ok", 0
     with open(log, "w") as err:

@@ -40,7 +40,7 @@ def folders(model: str) -> dict[str, Path]:
     pop, vanilla = CACHE / model / "pop", CACHE / model / "vanilla"
     if not pop.is_dir():
         subprocess.run([sys.executable, "-m", "popcompile.cli", "export", model, "--target", "vllm", "--out",
-                        str(pop), "--kv-calibration", "none"], check=True)
+                        str(pop), "--kv-calibration", "none", "--prune-ratio", "1/3"], check=True)
     if not vanilla.is_dir():
         stock_view(pop, vanilla)
     return {"vanilla": vanilla, "pop": pop}

@@ -132,11 +132,12 @@ class CompileStep:
 
 
 def _load(c: Compilation) -> None:
-    """The model, read straight in the engine's dtype where nothing runs it in float32 first (no K/V fit to
-    compute: none or a file); a bf16 checkpoint read as float16 rounds as the cast would. Then, for a target
-    that writes graphs, it is built without its weights (``load_model(lazy=True)``, ``_loads_lazily``):
-    a ridge fit reads one layer's weights at a time, capture traces shapes only, and the ONNX writer reads
-    each weight from the checkpoint as it writes it. Otherwise float32, cast after the fits."""
+    """The model (its --max-seq checked at once), read straight in the engine's dtype where nothing runs
+    it in float32 first (no K/V fit to compute: none or a file); a bf16 checkpoint read as float16 rounds
+    as the cast would. Then, for a target that writes graphs, it is built without its weights
+    (``load_model(lazy=True)``, ``_loads_lazily``): a ridge fit reads one layer's weights at a time,
+    capture traces shapes only, and the ONNX writer reads each weight from the checkpoint as it writes it.
+    Otherwise float32, cast after the fits."""
     owned = not isinstance(c.source, LoadedModel)
     if owned:
         direct = _reads_in_engine_dtype(c.config)
@@ -146,6 +147,7 @@ def _load(c: Compilation) -> None:
     else:
         c.loaded = c.source
     c.owned = owned
+    check_max_seq(c.loaded, c.config.max_seq)  # before the floor's search and the fits, minutes at scale
 
 
 def _loads_lazily(config: PopConfig, target: Target) -> bool:
@@ -164,7 +166,6 @@ def _reads_in_engine_dtype(config: PopConfig) -> bool:
 def _calibrate(c: Compilation) -> None:
     """The cut for this model; POP+ weights unless distill (its own step); the model in the engine's dtype.
     ConfigError / InputError before any tracing."""
-    check_max_seq(c.loaded, c.config.max_seq)
     text = c.loaded.model.config.get_text_config()  # a vision-language model's text decoder
     c.cut = c.floor.cut if c.floor is not None else c.config.resolve_cut(text.num_hidden_layers)
     check_vision_cut(c.loaded.model.config, c.cut)

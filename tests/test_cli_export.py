@@ -45,8 +45,8 @@ def test_kv_calibration_none_is_the_papers_pop(tiny_folder, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--min-agreement", "0.9"], "use them with --cut auto"),
-    (["--cut", "4", "--budget", "0.1"], "use them with --cut auto"),
+    (["--prune-ratio", "1/3", "--min-agreement", "0.9"], "drop --cut N / --prune-ratio"),
+    (["--cut", "4", "--budget", "0.1"], "drop --cut N / --prune-ratio"),
     (["--cut", "auto", "--min-agreement", "0.9", "--budget", "0.1"], "give one"),
 ])
 def test_cut_choice_options_are_checked_before_any_work(tiny_folder, tmp_path, capsys, args, message):
@@ -66,14 +66,15 @@ def test_calibrate_on_the_users_jsonl_then_export_with_it(tiny_folder, tmp_path)
     words = " ".join(f"t{i % 90}" for i in range(200))
     corpus.write_text("\n".join(f'{{"body": "{words}"}}' for _ in range(4)))
     fit = tmp_path / "kv.safetensors"
-    assert main(["calibrate", str(tiny_folder), "--out", str(fit), "--cut", "3", "--seq-len", "32",
+    assert main(["calibrate", str(tiny_folder), "--out", str(fit), "--cut", "2", "--seq-len", "32",
                  "--jsonl", str(corpus), "--jsonl-field", "body"]) == 0
     # each line gives 6 whole windows of 32 tokens (the rest is dropped): 24 windows -> 768 tokens
-    assert load_fit(fit).info.tokens == 768 and load_fit(fit).info.cut == 3
+    assert load_fit(fit).info.tokens == 768 and load_fit(fit).info.cut == 2
     out = tmp_path / "engine"
-    assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "3", "--max-seq", "64",
-                 "--kv-calibration", str(fit)]) == 0
-    assert EngineManifest.read(out).extra["kv_calibration"]["tokens"] == 768
+    assert main(["export", str(tiny_folder), "--out", str(out), "--max-seq", "64",
+                 "--kv-calibration", str(fit)]) == 0  # no --cut: the file's own (the floor and the third: 3)
+    manifest = EngineManifest.read(out)
+    assert manifest.extra["kv_calibration"]["tokens"] == 768 and manifest.cut == 2
 
 
 def test_calibrate_names_a_bad_jsonl_before_loading_the_model(tmp_path, capsys):

@@ -38,7 +38,8 @@ def smol_engine(engines) -> Path:
     run."""
     from popcompile.cli import main
 
-    args = ["--max-seq", str(MAX_SEQ), "--kv-calibration", "none", "--min-prompt-tokens", "0"]
+    args = ["--max-seq", str(MAX_SEQ), "--kv-calibration", "none", "--min-prompt-tokens", "0",
+            "--prune-ratio", "1/3"]  # the paper's cut, 20 (the floor's own CLI test: test_floor.py)
     build = lambda out: main(["export", "smollm2-135m", "--out", str(out), *args])
     return engines.get("smollm2-cli", build, args)
 

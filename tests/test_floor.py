@@ -150,8 +150,8 @@ def test_the_floor_and_a_fixed_cut_are_refused_together():
         PopConfig(cut=4, quality_floor=QualityFloor())
 
 
-def test_cli_cut_auto_is_the_quality_floor_and_prints_it(folder, tmp_path, cli):
-    done = cli("export", folder, "--out", tmp_path / "floor", "--cut", "auto", "--min-agreement", "0.5",
+def test_cli_export_defaults_to_the_quality_floor_and_prints_it(folder, tmp_path, cli):
+    done = cli("export", folder, "--out", tmp_path / "floor", "--min-agreement", "0.5",
                "--kv-calibration", "none", "--max-seq", "64", "--min-prompt-tokens", "0")
     assert "keeps the full model's first token on" in done.stdout and "floor 50%" in done.stdout
     assert EngineManifest.read(tmp_path / "floor").extra["cut_choice"]["min_agreement"] == 0.5

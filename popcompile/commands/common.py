@@ -41,17 +41,24 @@ def add_model_argument(parser, *, also: str = "") -> None:
 
 
 def add_cut_options(parser, *, allow_auto: bool = False) -> None:
+    """--cut / --prune-ratio. ``allow_auto`` (export): --cut auto, the default there, chooses the cut;
+    elsewhere the default is the paper's third."""
     cut = parser.add_mutually_exclusive_group()
     if allow_auto:
         cut.add_argument("--cut", type=_cut_or_auto, metavar="{N,auto}",
                          help="first pruned layer (1..L; L prunes nothing), or auto: the deepest cut whose "
                               "POP keeps the full model's first token on --min-agreement of built-in "
-                              "held-out prompts (the quality floor), or with --budget chosen by `analyze`")
+                              "held-out prompts (the quality floor), or with --budget chosen by `analyze`; "
+                              "a vision-language model: `analyze` on image+text. Default: auto, the quality "
+                              "floor (a vision-language model: the paper's third; a calibration file: its "
+                              "own cut)")
+        paper = "--prune-ratio 1/3: the paper's cut"
     else:
         cut.add_argument("--cut", type=int, help="first pruned layer (1..L; L prunes nothing)")
+        paper = "1/3, the paper's, is the default without --cut"
     cut.add_argument("--prune-ratio", type=_ratio, metavar="{R,A/B}",
-                     help="fraction of layers to prune from the top, a number or a fraction (1/3, the "
-                          "paper's: cut = L - floor(L/3), the default without --cut)")
+                     help=f"fraction of layers to prune from the top, a number or a fraction (cut = L - "
+                          f"floor(L*R); {paper})")
 
 
 def add_fit_options(parser) -> None:

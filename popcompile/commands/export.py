@@ -33,15 +33,16 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="engine folder to create (must not exist)")
     add_cut_options(p, allow_auto=True)
     p.add_argument("--min-agreement", type=float,
-                   help="with --cut auto: the quality floor, the share of 64 built-in held-out prompts on "
-                        f"which POP's first token must equal the full model's (default "
+                   help="with --cut auto (the default): the quality floor, the share of 64 built-in "
+                        f"held-out prompts on which POP's first token must equal the full model's (default "
                         f"{QualityFloor.min_agreement}); the deepest cut that holds it is taken, measured "
                         "with POP+ weights at every cut (~2 min at 135M on 2 CPU cores, estimated and "
                         "printed first; skipped over --calibration-budget), and the "
                         "shipped fit is measured again at that cut (docs/results.md)")
     p.add_argument("--budget", type=float,
-                   help="with --cut auto: instead of the quality floor, the share of prefill importance "
-                        "the pruned layers may hold (stage-aware importance, `popcompile analyze`)")
+                   help="with --cut auto (the default): instead of the quality floor, the share of "
+                        "prefill importance the pruned layers may hold (stage-aware importance, "
+                        "`popcompile analyze`)")
     p.add_argument("--max-seq", type=int,
                    help="maximum tokens per sequence (default: min(4096, model limit))")
     p.add_argument("--kv-calibration", default=str(PopConfig().kv_calibration),
@@ -113,10 +114,11 @@ def cmd_export(args) -> None:
     from ..config import KVFitConfig, PopConfig
     from ..exporters.checks import check_output_folder
 
+    defaulted = _default_cut(args)
     _check_cut_options(args)
     _check_auto_cut_calibration(args)  # before the floor's config, which refuses a file without the cut
     floor = None
-    if args.cut == "auto" and args.budget is None and not _vision_language(args):
+    if args.cut == "auto" and args.budget is None and (defaulted or not _vision_language(args)):
         floor = QualityFloor(**({} if args.min_agreement is None else {"min_agreement": args.min_agreement}))
     config = PopConfig(cut=None if args.cut == "auto" else args.cut, prune_ratio=args.prune_ratio,
                        boundary=args.boundary, kv_calibration=args.kv_calibration, dtype=args.dtype,
@@ -176,6 +178,24 @@ def _vision_language(args) -> bool:
         return False  # a GGUF file (no config.json) or a damaged one (load_model says so)
 
 
+def _default_cut(args) -> bool:
+    """Neither --cut nor --prune-ratio: a calibration file's own cut (it was fitted there), else auto, the
+    quality floor (the driver skips it for a vision-language model: the paper's third). Whether auto came by
+    default (an explicit --cut auto on a vision-language model asks analyze)."""
+    from ..config import KVCalibration
+
+    if args.cut is not None or args.prune_ratio is not None:
+        return False
+    kv = KVCalibration.of(args.kv_calibration)
+    if kv.mode == "file":
+        from ..kvfit.calibrate import load_fit
+
+        args.cut = load_fit(kv.path).info.cut
+        return False
+    args.cut = "auto"
+    return True
+
+
 def _check_auto_cut_calibration(args) -> None:
     """--cut auto chooses a cut; a calibration file was fitted for one: both cannot hold unless they agree."""
     from ..config import KVCalibration
@@ -193,7 +213,8 @@ def _check_cut_options(args) -> None:
     check_range("--min-agreement", args.min_agreement, 0.0, 1.0)
     check_range("--budget", args.budget, 0.0, 1.0, below_high=True)
     if args.cut != "auto" and (args.min_agreement is not None or args.budget is not None):
-        raise CliError("--min-agreement and --budget choose the cut: use them with --cut auto")
+        raise CliError("--min-agreement and --budget choose the cut: drop --cut N / --prune-ratio "
+                       "(--cut auto is the default)")
     if args.min_agreement is not None and args.budget is not None:
         raise CliError("--min-agreement (the quality floor) and --budget (analyze) are two ways to choose: "
                        "give one")
