@@ -1,10 +1,11 @@
 """Export memory and time at real model sizes: random weights with the exact shapes of released models.
 
-For each shape (Llama-3.2-1B, Qwen3-4B, Llama-3.1-8B; their configs' numbers are written here, nothing is
-downloaded) this writes a Hugging Face folder once: config.json, bf16 safetensors in shards, an index, a
-word-level tokenizer of the model's vocabulary size and generation_config.json. The weights are generated
-tensor by tensor from the names and shapes of the model built on the meta device, so writing an 8B folder
-holds one shard (~2 GB), never the model. The folders have the models' speed and memory, never their quality.
+For each shape (Llama-3.2-1B, Qwen3-4B, Llama-3.1-8B, Qwen3-30B-A3B at 4 layers; their configs' numbers are
+written here, nothing is downloaded) this writes a Hugging Face folder once: config.json, bf16 safetensors
+in shards, an index, a word-level tokenizer of the model's vocabulary size and generation_config.json. The
+weights are generated tensor by tensor from the names and shapes of the model built on the meta device, so
+writing an 8B folder holds one shard (~2 GB), never the model. The folders have the models' speed and
+memory, never their quality.
 
 Then it runs ``popcompile export FOLDER --out ENGINE --weights W --kv-calibration none --min-prompt-tokens 0
 --json`` (``--kv-calibration ridge``: with the POP+ fit, its estimate and time recorded) in a child
@@ -57,16 +58,26 @@ SHAPES: dict[str, dict] = {
                      "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000,
                      "eos_token_id": 128001, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                      "rope_parameters": {**_LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 8.0}},
+    # Qwen3-30B-A3B's config at 4 of its 48 layers (128 experts of width 768, 8 per token): its layers' memory
+    # and speed, a quarter of the experts' weights that fit this machine in float32
+    "qwen3-30b-a3b-4l": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                         "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4,
+                         "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+                         "hidden_act": "silu", "attention_bias": False,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
 }
 SHARD_BYTES = 2 * GIB
 
 
 def hf_config(shape: str):
-    """The transformers config of ``shape`` (LlamaConfig / Qwen3Config), bf16."""
-    from transformers import LlamaConfig, Qwen3Config
+    """The transformers config of ``shape`` (LlamaConfig / Qwen3Config / Qwen3MoeConfig), bf16."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     fields = dict(SHAPES[shape])
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[fields.pop("model_type")]
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[fields.pop("model_type")]
     return cls(**fields, dtype="bfloat16")
 
 

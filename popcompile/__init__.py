@@ -30,6 +30,7 @@ _PUBLIC = {
     "TrtBuildConfig": "popcompile.exporters.tensorrt",
     "open_session": "popcompile.runtime",
     "load_model": "popcompile.frontend.models",
+    "use_pop_experts": "popcompile.frontend.experts",
     "capture": "popcompile.frontend.capture",
     "KVLayout": "popcompile.engine.kv",
     "pop_graphs": "popcompile.passes.prefill",

@@ -6,7 +6,7 @@ residual adds and the embedding gather are ignored (they are O(hidden) per token
 
     qkvo(T)     = 2*T*h*(2*H*D + 2*H_kv*D)           Q, K, V, O projections of T tokens
     kv(T)       = 2*T*h*(2*H_kv*D)                   K and V projections only
-    mlp(T)      = 3 * 2*T*h*F                         gated MLP: gate, up, down
+    mlp(T)      = 3 * 2*T*h*F  (+ 2*T*h*E)             gated MLP: gate, up, down (+ a router over E experts)
     attn(P, T)  = 4*H*D * sum_{t=1..T} (P + t)        QK^T and AV, causal, T queries after P cached rows
     layer(P, T) = qkvo(T) + mlp(T) + attn(P, T)
     head        = 2*h*V                               LM head on ONE position (as generate does)
@@ -14,6 +14,9 @@ residual adds and the embedding gather are ignored (they are O(hidden) per token
     full(N)      = L * layer(0, N) + head
     pop(N, cut)  = cut * layer(0, N-1) + (L-cut) * kv(N-1)     prefill graph on x_1..x_{N-1}
                  + L * layer(N-1, 1) + head                     x_N through the full model (boundary)
+
+A mixture of experts counts its active parameters: ``F`` = k experts per token x the expert width
+(``moe_intermediate_size``, else ``intermediate_size``), plus the router's ``E`` logits per token.
 
 With ``cut == L``, ``layer(0, N-1) + layer(N-1, 1) == layer(0, N)`` term by term, so
 ``pop(N, L) == full(N)`` exactly: the sums are done in integers. Attention is counted as full
@@ -52,8 +55,12 @@ class Geometry:
     intermediate_size: int
     vocab_size: int
     num_hidden_layers: int
+    num_experts: int = 0  # a mixture of experts' router width (intermediate_size: the active width)
 
     def __post_init__(self) -> None:
+        experts = self.num_experts
+        if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+            raise ValueError(f"Geometry.num_experts must be an int >= 0, got {self.num_experts!r}")
         for name in _FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -65,14 +72,18 @@ class Geometry:
     @classmethod
     def from_config(cls, config: Any) -> "Geometry":
         """From a HF config (attributes) or a mapping; head_dim defaults to hidden/heads, kv heads to
-        heads."""
+        heads; a mixture of experts (``num_experts`` or ``num_local_experts``): its active FFN width."""
         if isinstance(config, Geometry):
             return config
         get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
+        experts, width = get("num_experts") or get("num_local_experts") or 0, get("intermediate_size")
+        if experts:
+            per_token, expert_width = get("num_experts_per_tok"), get("moe_intermediate_size") or width
+            width = per_token * expert_width if per_token and expert_width else None
         return cls(hidden, heads, get("num_key_value_heads") or heads, head_dim,
-                   get("intermediate_size"), get("vocab_size"), get("num_hidden_layers"))
+                   width, get("vocab_size"), get("num_hidden_layers"), experts)
 
     def kv(self, tokens: int) -> int:
         """K and V projections of ``tokens`` tokens in one layer."""
@@ -81,7 +92,7 @@ class Geometry:
     def layer(self, past: int, tokens: int) -> int:
         """One full layer on ``tokens`` new tokens after ``past`` cached rows (causal attention)."""
         q_o = 2 * tokens * self.hidden_size * 2 * self.num_attention_heads * self.head_dim
-        mlp = 3 * 2 * tokens * self.hidden_size * self.intermediate_size
+        mlp = 2 * tokens * self.hidden_size * (3 * self.intermediate_size + self.num_experts)
         attended = tokens * past + tokens * (tokens + 1) // 2  # sum_{t=1..T} (P + t)
         attn = 4 * self.num_attention_heads * self.head_dim * attended
         return q_o + self.kv(tokens) + mlp + attn

@@ -157,6 +157,8 @@ class PopBackend:
         seq = hidden.shape[1]
         if _is_one(seq):
             return "decode", "", None
+        if _experts_without_the_op(gm.graph):
+            return "fallback", _MOE, None
         logits = _logits_node(gm.graph)
         if logits is None:
             return "fallback", "no LM head output in the graph (a graph break inside the model?)", None
@@ -251,6 +253,16 @@ def _kv_weights(opts: PopOptions, cut: int, num_layers: int, graph: fx.Graph):
         return None
     check_kv_shapes(fit, kv_projection_shapes(graph, cut + 1))
     return fit.weights
+
+
+_MOE = ("a mixture of experts run by transformers' own experts implementation (tokens sorted by expert: no "
+        "last position to take): call popcompile.use_pop_experts(model) before torch.compile")
+
+
+def _experts_without_the_op(graph: fx.Graph) -> bool:
+    """Nodes inside an experts module (``...mlp.experts``) but no ``popcompile::experts`` call."""
+    inside = any(module_path(n).endswith(".experts") for n in graph.nodes if n.op == "call_function")
+    return inside and not any("popcompile.experts" in str(n.target) for n in graph.nodes)
 
 
 def _is_one(size) -> bool:

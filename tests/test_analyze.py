@@ -15,6 +15,7 @@ from tiny import tiny_model
 
 from popcompile.cli import main
 from popcompile.frontend.arch import DECODER_TYPES
+from popcompile.frontend.experts import is_moe
 from popcompile.measure import analyze
 from popcompile.measure.gates import gate_pass
 
@@ -31,8 +32,11 @@ EAGER_ATOL = 1e-4
 # The module whose output is the residual branch, per architecture (Gemma 3: sandwich norms).
 BRANCH_MODULES = {
     "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3")},
+    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")},
 }
+#: mixtures of experts: a perturbation of 1e-2 flips some tokens' top-k routing (a step in the loss that
+#: a central difference reads as a slope); 1e-4 (in float64) stays inside every routing region here
+MOE_FD_EPS = 1e-4
 
 
 class CharTokenizer:
@@ -54,6 +58,9 @@ def windows(batch=BATCH, seed=1):
 @pytest.fixture(scope="module", params=sorted(DECODER_TYPES))
 def gated(request):
     model = tiny_model(request.param, layers=LAYERS)
+    if is_moe(model):  # float64: the small difference MOE_FD_EPS needs stays far above rounding
+        model = model.double()
+        model.config._experts_implementation = "eager"  # the hooks' reference (grouped_mm takes no float64)
     return request.param, model, analyze.capture_scorer(model, BATCH, CONTEXT + GEN - 1, GEN)
 
 
@@ -66,25 +73,24 @@ def test_branches_found_in_every_layer(gated):
     assert [(b.layer, b.kind) for b in result.branches] == [(l, k) for l in range(LAYERS)
                                                             for k in ("attn", "mlp")]
     expected = {"attn": ("self_attn.o_proj", "post_attention_layernorm"),
-                "mlp": ("mlp.down_proj", "post_feedforward_layernorm")}
+                "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp")}  # mlp: a MoE block's output
     for branch in result.branches:
         assert branch.module in expected[branch.kind], (arch, branch)
     names = [n.name for n in result.graph_module.graph.nodes if n.op == "placeholder"]
     assert names == ["input_ids", "gates", "stage"]
     asserts = torch.ops.aten._assert_tensor_metadata.default  # returns nothing
-    assert all(isinstance(n.meta.get("val"), torch.Tensor) for n in result.graph_module.graph.nodes
-               if n.op in ("placeholder", "call_function") and n.target is not asserts)
+    values = [n.meta.get("val") for n in result.graph_module.graph.nodes
+              if n.op in ("placeholder", "call_function") and n.target is not asserts]
+    assert all(isinstance(v, torch.Tensor) or isinstance(v, tuple) and all(  # tuple: a router's top-k
+        isinstance(t, torch.Tensor) for t in v) for v in values)
 
 
 def test_gates_at_one_leave_outputs_exactly_unchanged(gated):
     arch, model, result = gated
     ids = windows()[:, :-1]
-    from transformers import AttentionInterface
+    from popcompile.frontend.capture import attention_for_capture
 
-    from popcompile.frontend.capture import ATTN_IMPLEMENTATION, pop_attention, use_attention
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
-    with use_attention(model, ATTN_IMPLEMENTATION):
+    with attention_for_capture(model):
         plain = torch.export.export(analyze.Scorer(model, GEN), (ids,), strict=False).module()
     stage = torch.rand(BATCH, ids.shape[1]).round()  # any stage mask: at g = 1 it cannot matter
     with torch.no_grad():
@@ -123,7 +129,8 @@ def test_gates_scale_the_branches_like_eager_hooks(gated):
 
 
 def test_fisher_first_order_term_matches_finite_difference(gated):
-    arch, _, result = gated
+    arch, model, result = gated
+    eps = MOE_FD_EPS if is_moe(model) else FD_EPS
     rows = windows()
     grads, _ = analyze.gate_gradients(result, rows, CONTEXT, GEN)
     stage = analyze.stage_mask(BATCH, CONTEXT, GEN)
@@ -133,11 +140,11 @@ def test_fisher_first_order_term_matches_finite_difference(gated):
                 losses = []
                 for sign in (1, -1):
                     gates = torch.ones(BATCH, LAYERS, 2, 2)
-                    gates[:, layer, kind, s] += sign * FD_EPS
+                    gates[:, layer, kind, s] += sign * eps
                     with torch.no_grad():
                         losses.append(analyze.sequence_losses(result.graph_module, rows, gates, stage,
                                                               CONTEXT))
-                fd = (losses[0] - losses[1]).double() / (2 * FD_EPS)
+                fd = (losses[0] - losses[1]).double() / (2 * eps)
                 exact = grads[:, layer, kind, s]
                 assert ((fd - exact).abs() <= FD_ATOL + FD_RTOL * exact.abs()).all(), (
                     arch, layer, kind, s, fd, exact)

@@ -97,3 +97,20 @@ def test_bound_properties(g, n_tokens, data):
             assert lower > bound
         else:  # N = 1: the prefill graph has no tokens, nothing to save
             assert lower == bound == 1.0
+
+
+def test_a_mixture_of_experts_counts_its_active_experts_and_its_router():
+    """Mixtral's shapes: 2 of 8 experts of width 14336 per token, so F = 28672, and 8 router logits per token;
+    Qwen3-MoE's expert width is moe_intermediate_size (its intermediate_size is a dense layer's)."""
+    mixtral = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "intermediate_size": 14336, "vocab_size": 32000, "num_hidden_layers": 32,
+               "num_local_experts": 8, "num_experts_per_tok": 2}
+    g = Geometry.from_config(mixtral)
+    assert (g.intermediate_size, g.num_experts, g.head_dim) == (28672, 8, 128)
+    dense = Geometry.from_config({**mixtral, "num_local_experts": None, "intermediate_size": 28672})
+    assert g.layer(0, 5) - dense.layer(0, 5) == 2 * 5 * 4096 * 8  # the router, nothing else
+    qwen = {**mixtral, "num_local_experts": None, "num_experts": 128, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768}
+    assert Geometry.from_config(qwen).intermediate_size == 8 * 768
+    with pytest.raises(ValueError, match="num_experts"):
+        Geometry(64, 4, 2, 16, 128, 97, 4, num_experts=-1)

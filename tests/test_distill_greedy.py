@@ -36,8 +36,8 @@ def test_greedy_targets_and_scores_are_free_running_generation(arch):
     score = distill._score(model, data, torch.arange(len(ids)), fit.weights)
     assert score.matched_prefix == pytest.approx(sum(matched) / len(ids))
     assert score.first_token == pytest.approx(sum(p[0] == f[0] for p, f in zip(pop, full)) / len(ids))
-    # the score tells windows apart (tiny qwen2's POP happens to equal full on all six)
-    assert len(set(matched)) > 1 or arch == "qwen2"
+    # the score tells windows apart (tiny qwen2's and qwen3_moe's POP happen to equal full on all six)
+    assert len(set(matched)) > 1 or arch in ("qwen2", "qwen3_moe")
 
 
 def test_kept_vocabulary_is_the_union_of_top_k_and_its_kl():

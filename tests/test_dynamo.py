@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import MOE, tiny_model
 
-from popcompile import reference
+from popcompile import reference, use_pop_experts
 from popcompile.dynamo import PopBackend, PopFallbackWarning, PopOptions
 from popcompile.errors import ConfigError
 from popcompile.frontend.arch import DECODER_TYPES
@@ -67,6 +67,8 @@ def prompt(seed=1, length=PROMPT_LEN):
 @pytest.mark.parametrize("arch", sorted(DECODER_TYPES))
 def test_generate_equals_pop_reference(arch):
     model, ids, cut = tiny_model(arch, layers=6), prompt(), 3
+    if arch in MOE:
+        use_pop_experts(model)  # what the backend needs of a mixture of experts (the next test)
     recorder = Recorder()
     backend = PopBackend(PopOptions(cut=cut, inner=recorder, min_prompt_tokens=ALWAYS))
     tokens, logits = compiled_generate(model, ids, backend, cache_implementation="static")
@@ -78,6 +80,15 @@ def test_generate_equals_pop_reference(arch):
     kinds = [r.kind for r in backend.records]
     assert kinds[0] == "prefill-pop" and set(kinds[1:]) == {"decode"}
     assert all(r.nodes_after == r.nodes_before for r in backend.records if r.kind == "decode")
+
+
+def test_a_mixture_of_experts_without_the_op_runs_unpruned_and_says_how():
+    model, ids = tiny_model("qwen3_moe", layers=6), prompt()
+    backend = PopBackend(PopOptions(cut=3, inner=Recorder(), min_prompt_tokens=ALWAYS))
+    with pytest.warns(PopFallbackWarning, match=r"call popcompile.use_pop_experts\(model\)"):
+        tokens, _ = compiled_generate(model, ids, backend, cache_implementation="static")
+    assert backend.records[0].kind == "fallback"
+    assert tokens == model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
 
 
 def test_prefill_graph_runs_deep_layers_on_the_last_position_only():

@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
+from tiny import MOE
 from tiny_engine import tiny_engine
 
 from popcompile.engine.manifest import EngineError, EngineManifest
@@ -39,7 +40,8 @@ ATOL = 2e-5
 def graphs(request, engines) -> dict:
     """standard and fused sessions of both graphs of one tiny engine, and the fused forms per graph."""
     folder = engines.tiny(request.param, cut=CUT, max_seq=64, target=OnnxTarget(attention="standard"))
-    out = {"manifest": EngineManifest.read(folder), "forms": {}}
+    out = {"manifest": EngineManifest.read(folder), "forms": {},
+           "moe_layers": LAYERS * (request.param in MOE)}
     for name in ("prefill", "decode"):
         proto = onnx.load(str(folder / f"{name}.onnx"))
         out[name] = {"standard": _session(proto)}  # before the lowering, which consumes ``proto``
@@ -175,7 +177,8 @@ def test_every_layer_takes_a_fused_form(graphs):
     assert graphs["forms"]["decode"] == {GQA: LAYERS, MHA: 0, "standard": 0}
     assert graphs["forms"]["prefill"] == {GQA: CUT, MHA: LAYERS - CUT, "standard": 0}
     ops = Counter(node.op_type for node in graphs["decode"]["proto"].graph.node)
-    assert ops[GQA] == LAYERS and ops["Softmax"] == 0 and ops["Expand"] <= 1  # no K/V repeat is left
+    routers = graphs["moe_layers"]  # a mixture of experts' softmax and its dense routing's Expand
+    assert ops[GQA] == LAYERS and ops["Softmax"] == routers and ops["Expand"] <= 1 + routers  # no K/V repeat
 
 
 def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share(graphs):
@@ -183,14 +186,16 @@ def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share
     graph reads is one the decode graph reads too. The folded prefill's pruned layers read k/v over the prompt
     and q over x_N alone: there both graphs pack [Wk|Wv] and keep Wq apart; a decode graph alone packs all
     three."""
-    pruned = LAYERS - CUT
-    assert graphs["packed"] == {"decode": 2 * LAYERS, "prefill": 2 * CUT + 2 * pruned}
-    assert graphs["packed_alone"] == {"decode": 2 * LAYERS}
+    pruned, packs = LAYERS - CUT, 1 if graphs["moe_layers"] else 2  # experts: no gate|up MatMul to pack
+    assert graphs["packed"] == {"decode": packs * LAYERS, "prefill": packs * CUT + packs * pruned}
+    assert graphs["packed_alone"] == {"decode": packs * LAYERS}
     matmuls = {name: Counter(n.op_type for n in graphs[name][proto].graph.node)["MatMul"]
                for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
-    # qkv, o, gate|up, down; q apart where the prefill needs it
-    assert matmuls["decode"] == 4 * LAYERS + pruned
-    assert Counter(n.op_type for n in graphs["decode"]["proto"].graph.node)["MatMul"] == 4 * LAYERS
+    # qkv, o, gate|up, down (a mixture of experts: qkv, o; its router on [B*T, d] is a Gemm, its experts
+    # Einsums); q apart where the prefill needs it
+    per_layer = 2 if graphs["moe_layers"] else 4
+    assert matmuls["decode"] == per_layer * LAYERS + pruned
+    assert Counter(n.op_type for n in graphs["decode"]["proto"].graph.node)["MatMul"] == per_layer * LAYERS
     contents = {name: {_content(t) for t in graphs[name][proto].graph.initializer if len(t.dims) == 2}
                 for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
     packed = {_content(t) for t in graphs["prefill"]["proto"].graph.initializer
@@ -213,7 +218,9 @@ def test_views_that_end_where_they_began_are_gone(graphs):
         caches = ("pop_rope/cache/", "pop_rope/positions/")
         if node.op_type == "Reshape" and not node.output[0].startswith(caches):
             near = {producer[node.input[0]].op_type, *readers[node.output[0]]}
-            assert "SimplifiedLayerNormalization" in near, (node.name, near)
+            # or a mixture of experts' [B, T, d] <-> [B*T, d] around its router and experts
+            experts = {"Einsum", "Gemm"} if graphs["moe_layers"] else set()
+            assert "SimplifiedLayerNormalization" in near or near & experts, (node.name, near)
 
 
 def _content(tensor: onnx.TensorProto) -> bytes:

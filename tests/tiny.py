@@ -13,7 +13,16 @@ TINY = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
         "sliding_window": 4, "layer_types": None, "query_pre_attn_scalar": 16}),
+    # mixtures of experts: 8 experts of width 32, 2 per token
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
+
+
+#: the mixtures of experts among TINY (their MLP is transformers' experts block: router + experts op)
+MOE = frozenset({"qwen3_moe", "mixtral"})
 
 
 def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, seed=0, **overrides):

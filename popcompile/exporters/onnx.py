@@ -42,6 +42,7 @@ from ..frontend.vision import vision_record, vision_spec
 from ..ort_passes import ORT_PASSES, OrtContext
 from ..ort_passes.graph import tensor_array
 from ..passes.prefill import GraphPair
+from .moe import fold_weight_gathers, translation_table
 from .quantize import quantize_weights
 from .scratch import INLINE_BYTES, Scratch, external, nbytes
 from .steps import ONNX_WRITE_STEPS, onnx_write_steps
@@ -69,6 +70,7 @@ class _Writing:
     weights_bytes: int = 0
     vision: onnx.ModelProto | None = None  # a vision-language model's vision graph
     pending: dict = field(default_factory=dict)  # file name -> torch.onnx's program, not yet optimised
+    lowering: str = "standard"  # the attention lowering, which a mixture of experts follows (moe.py)
 
     @property
     def graphs(self) -> dict[str, onnx.ModelProto]:
@@ -79,7 +81,8 @@ class _Writing:
 
 def _export_decode(w: _Writing) -> None:
     """torch.onnx's program of the decode graph, not yet optimised: its weights are the model's tensors."""
-    w.pending["decode.onnx"] = _exported(w.pair.decode, *_names(w.pair, with_logits=True), optimize=False)
+    w.pending["decode.onnx"] = _exported(w.pair.decode, *_names(w.pair, with_logits=True), optimize=False,
+                                         lowering=w.lowering)
 
 
 def _export_prefill(w: _Writing) -> None:
@@ -87,9 +90,10 @@ def _export_prefill(w: _Writing) -> None:
     storage freed tensor by tensor where it is the driver's), both optimised and saved to the scratch folder
     with external data, and read back without it."""
     w.pending["prefill.onnx"] = _exported(w.pair.prefill, *_names(w.pair, w.pair.boundary == "folded"),
-                                          optimize=False)
+                                          optimize=False, lowering=w.lowering)
     lazy = w.loaded.lazy
     fold_weight_transposes(list(w.pending.values()), free=w.release, read=lazy.read if lazy else None)
+    fold_weight_gathers(list(w.pending.values()), read=lazy.read if lazy else None)
     if lazy is not None:
         read_lazily(list(w.pending.values()), lazy)
     for name in list(w.pending):
@@ -148,7 +152,7 @@ def write_engine(tmp: Path, loaded: LoadedModel, pair: GraphPair, provenance: di
     attention as onnxruntime's contrib ops (ort_passes/__init__.py), or standard. ``provenance``: the
     manifest's ``extra`` (how the K/V weights and the cut were chosen). ``release``: the model is the
     driver's own, its weights freed once the graphs are exported (the module docstring's memory)."""
-    writing = _Writing(tmp, loaded, pair, quantization, release, Scratch(tmp / SCRATCH))
+    writing = _Writing(tmp, loaded, pair, quantization, release, Scratch(tmp / SCRATCH), lowering=attention)
     vision = vision_spec(loaded.model.config) is not None
     for write_step in onnx_write_steps(attention, quantization.bits is not None, vision):
         step(write_step.name)
@@ -177,11 +181,13 @@ def _names(pair: GraphPair, with_logits: bool) -> tuple[list[str], list[str]]:
     return [*pair.inputs, *layout.past_names], (["logits"] if with_logits else []) + layout.present_names
 
 
-def _exported(program, inputs: list[str], outputs: list[str], *, optimize: bool):
-    """torch.onnx's dynamo exporter on ``program`` (its ONNXProgram), with these tensor names."""
+def _exported(program, inputs: list[str], outputs: list[str], *, optimize: bool, lowering: str = "standard"):
+    """torch.onnx's dynamo exporter on ``program`` (its ONNXProgram), with these tensor names; a mixture of
+    experts' op lowered as ``lowering`` says (moe.py)."""
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
         return torch.onnx.export(program, (), dynamo=True, input_names=inputs, output_names=outputs,
-                                 opset_version=OPSET, optimize=optimize, verify=False, report=False)
+                                 opset_version=OPSET, optimize=optimize, verify=False, report=False,
+                                 custom_translation_table=translation_table(lowering))
 
 
 def program_to_onnx(program, inputs: list[str], outputs: list[str], *, scratch: Scratch | None = None,

@@ -35,6 +35,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("mistral", mask_mapping=False),
         ArchSpec("qwen2", mask_mapping=True),
         ArchSpec("qwen3", mask_mapping=True, k_norm="self_attn.k_norm"),
+        ArchSpec("qwen3_moe", mask_mapping=False, k_norm="self_attn.k_norm"),
+        ArchSpec("mixtral", mask_mapping=False),
         ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm", branch_output_norms=True),
         # Qwen3-VL's text decoder (frontend/vision.py: the model around it)
         ArchSpec("qwen3_vl_text", mask_mapping=False, k_norm="self_attn.k_norm", part_of="qwen3_vl"),

@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..engine.kv import KVLayout
 from .arch import ArchSpec, arch_spec, attention_windows
+from .experts import experts_for_capture
 from .vision import VisionLanguageSpec, deepstack_layers, vision_spec
 
 ATTN_IMPLEMENTATION = "popcompile"
@@ -335,11 +336,13 @@ def _capture_vision(model: torch.nn.Module, max_seq: int | None) -> CapturedMode
     return CapturedModel(program, layout, spec, layout.num_layers, config.vocab_size, interface)
 
 
-def attention_for_capture(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def attention_for_capture(model: torch.nn.Module) -> Iterator[None]:
     """``model`` running ``pop_attention`` (transformers' registry of attention functions: our key, our
-    function, no patching)."""
+    function, no patching) and, for a mixture of experts, ``popcompile::experts`` (frontend/experts.py)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
-    return use_attention(model, ATTN_IMPLEMENTATION)
+    with use_attention(model, ATTN_IMPLEMENTATION), experts_for_capture(model):
+        yield
 
 
 def kv_layout(model: torch.nn.Module, max_seq: int | None = None) -> KVLayout:

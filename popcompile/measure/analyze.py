@@ -38,7 +38,7 @@ import torch
 from ..config import resolve_cut
 from ..errors import ConfigError, ModelError
 from ..frontend.arch import arch_spec, attention_windows
-from ..frontend.capture import ATTN_IMPLEMENTATION, build_mask, pop_attention, use_attention
+from ..frontend.capture import attention_for_capture, build_mask
 from ..frontend.vision import deepstack_layers, vision_spec
 from ..fsutil import atomic_path, atomic_write
 from .analyze_samples import (  # noqa: F401 (the corpus moved there; its names stay importable here)
@@ -175,11 +175,8 @@ def capture_scorer(model: torch.nn.Module, batch: int, seq_len: int, gen_len: in
     """torch.export the Scorer at static [batch, seq_len] and run the gates pass on it."""
     if not 1 <= gen_len <= seq_len:
         raise ValueError(f"gen_len={gen_len} must be in 1..seq_len={seq_len}")
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
     example = torch.zeros(batch, seq_len, dtype=torch.long)
-    with use_attention(model, ATTN_IMPLEMENTATION):
+    with attention_for_capture(model):
         program = torch.export.export(Scorer(model, gen_len).eval(), (example,), strict=False)
     return gate_pass(program.module())
 

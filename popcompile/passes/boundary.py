@@ -33,6 +33,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -111,6 +112,15 @@ def _value(node: fx.Node):
 
 def _same(a, b) -> bool:
     return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+
+
+def _scaled_by_sequence(size, seq) -> bool:
+    """A size that grows by more than one per sequence position (B*N rows: tokens flattened), unlike the
+    keys' P+N: its last position is no slice along one dim."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    expr = size.node.expr
+    return any(sympy.diff(expr, symbol) not in (0, 1) for symbol in seq.node.expr.free_symbols)
 
 
 def _slice(graph: fx.Graph, node: fx.Node, dim: int, start, stop) -> fx.Node:
@@ -196,6 +206,10 @@ class _LastPosition:
             dims = [d for d, size in enumerate(value.shape) if _same(size, self.seq)]
             if len(dims) > 1:
                 raise UnsupportedGraph(f"{arg.name} has the sequence length in {len(dims)} dims: ambiguous")
+            if not dims and any(_scaled_by_sequence(size, self.seq) for size in value.shape):
+                # e.g. a mixture of experts' tokens flattened and sorted by expert: no last position to take
+                raise UnsupportedGraph(f"{arg.name} {tuple(value.shape)}: a size derived from the sequence "
+                                       "length (tokens flattened?) reaches the query side")
             if dims:
                 if arg not in self.sliced:
                     self.sliced[arg] = _slice(self.graph, arg, dims[0], -1, None)

@@ -27,6 +27,7 @@ only the ``linear`` nodes' weight and bias inputs change; a fitted bias on a pro
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -144,19 +145,50 @@ def _drop_logits(graph: fx.Graph) -> None:
 
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """fx's DCE with :func:`has_side_effect` as the purity test."""
-    graph.eliminate_dead_code(is_impure_node=has_side_effect)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    graph.eliminate_dead_code(is_impure_node=lambda node: has_side_effect(node, order))
 
 
-def has_side_effect(node: fx.Node) -> bool:
+def has_side_effect(node: fx.Node, order: dict[fx.Node, int] | None = None) -> bool:
     """DCE's test. fx calls any nondeterministic op impure, so an unused SDPA (which could do dropout)
-    would survive; an ATen op is kept here only if its schema mutates an input or it is an assert.
-    fx calls every ``call_method`` pure, which would drop dynamo's in-place cache writes
-    (``keys.index_copy_(...)``): an in-place method (trailing underscore) is kept here."""
+    would survive; an ATen op is kept here only if it is an assert or its schema mutates an input that
+    something can observe (``mutation_is_observable``: a router's in-place ``weights /= weights.sum()`` in
+    a pruned layer goes with the layer). fx calls every ``call_method`` pure, which would drop dynamo's
+    in-place cache writes (``keys.index_copy_(...)``): an in-place method (trailing underscore) is kept."""
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable or node.target in _ASSERTS
+        if node.target in _ASSERTS:
+            return True
+        return node.target._schema.is_mutable and (order is None or mutation_is_observable(node, order))
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("__") or node.target == "__setitem__"
     return node.is_impure()
+
+
+def mutation_is_observable(node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether an in-place op's write can be seen: it mutates a graph input, a view (its base may be read),
+    or a tensor that a node after it reads. Writes to a fresh intermediate that only earlier nodes read
+    are dead once the op's own output is."""
+    schema = node.target._schema
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        if not isinstance(value, fx.Node) or not _fresh(value):
+            return True
+        if any(user is not node and order.get(user, -1) > order[node] for user in value.users):
+            return True
+    return False
+
+
+def _fresh(value: fx.Node) -> bool:
+    """An op's own new tensor (not an input, a weight or a view of another tensor)."""
+    if value.op != "call_function":
+        return False
+    if value.target is operator.getitem:
+        return _fresh(value.args[0]) if isinstance(value.args[0], fx.Node) else False
+    target = value.target
+    return isinstance(target, torch._ops.OpOverload) and all(
+        ret.alias_info is None for ret in target._schema.returns)
 
 
 #: a linear projection in an ATen graph (torch.export) or a torch-level graph (dynamo)
