@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from popcompile.errors import ConfigError
-from popcompile.threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens
+from popcompile.threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens, speedup_bar
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -25,6 +25,18 @@ def test_default_bar_is_1_2_and_gives_the_documented_thresholds():
     assert DEFAULT_MIN_SPEEDUP == 1.2
     assert choose_min_prompt_tokens(smollm2) == choose_min_prompt_tokens(gemma) == 64
     assert (choose(smollm2), choose(gemma)) == (32, 16)
+
+
+def test_a_shallow_cut_passes_at_half_its_flop_bounds_gain():
+    """The quality floor's SmolLM2 cut (4 of 30 layers) is bounded at ~1.15x: a 1.2x bar would switch POP off
+    everywhere; half the bound's gain (1.07x) is the bar instead. A deep cut keeps 1.2x."""
+    shallow = {256: 1.142, 512: 1.144, 1024: 1.145, 2048: 1.145}  # the FLOP bound at cut 26 by length
+    measured = {256: 0.93, 512: 1.08, 1024: 1.09, 2048: 1.10}
+    assert choose_min_prompt_tokens(measured, bounds=shallow) == 512
+    assert speedup_bar(1.2, 1.145) == pytest.approx(1.0725) and speedup_bar(1.2, 1.9) == 1.2
+    assert speedup_bar(1.2) == 1.2
+    with pytest.raises(ConfigError):
+        choose_min_prompt_tokens(measured)  # without the bounds: the 1.2x bar, which nothing reaches
 
 
 def test_shortest_length_from_which_every_longer_one_pays():
@@ -60,7 +72,7 @@ def test_order_of_the_mapping_does_not_matter():
 
 
 def test_no_length_pays_names_the_longest_measurement():
-    with pytest.raises(ConfigError, match=r"2048 tokens: 1\.050x.*min_prompt_tokens explicitly"):
+    with pytest.raises(ConfigError, match=r"2048 tokens: 1\.050x\) is below its bar \(1\.100x\).*explicitly"):
         choose(curve(0.8, 0.9, 1.2, 1.2, 1.2, 1.2, 1.2, 1.05))
 
 

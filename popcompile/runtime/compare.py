@@ -15,7 +15,7 @@ from pathlib import Path
 from ..cost import speedup_bound
 from ..engine.manifest import engine_file
 from ..errors import ConfigError, EngineError
-from ..threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens, uses_pop
+from ..threshold import DEFAULT_MIN_SPEEDUP, choose_min_prompt_tokens, speedup_bar, uses_pop
 from .loop import GenerationResult
 
 
@@ -151,7 +151,7 @@ def measure_speedups(session, lengths=PROBE_LENGTHS, *, repeats: int = 3, seed: 
         speedup = float(np.median(ratios))
         table.append({"tokens": length, "speedup": round(speedup, 4),
                       "flop_bound": engine_flop_bound(session.folder, length, session.manifest.cut)})
-        passed = passed + 1 if speedup >= min_speedup else 0
+        passed = passed + 1 if speedup >= speedup_bar(min_speedup, table[-1]["flop_bound"]) else 0
         if passed >= stop_after:
             break
     return table
@@ -173,9 +173,12 @@ def measured_min_prompt_tokens(session, runtime: str,
         note = f"max_seq {session.layout.max_seq} is below the shortest probe: POP everywhere"
         return 0, {**record, "note": note}
     try:
-        return choose_min_prompt_tokens({row["tokens"]: row["speedup"] for row in table}, min_speedup), record
+        bounds = {row["tokens"]: row["flop_bound"] for row in table}
+        speedups = {row["tokens"]: row["speedup"] for row in table}
+        return choose_min_prompt_tokens(speedups, min_speedup, bounds), record
     except ConfigError:
-        note = (f"POP reached {min_speedup}x at no measured length (up to {table[-1]['tokens']} tokens): "
+        note = (f"POP reached its bar ({min_speedup}x, or half the FLOP bound's gain) at no measured length "
+                f"(up to {table[-1]['tokens']} tokens): "
                 "every prompt prefills in full; give --min-prompt-tokens N to choose otherwise")
         return session.layout.max_seq, {**record, "note": note}
 
