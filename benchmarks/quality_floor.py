@@ -52,15 +52,17 @@ def run(model: str, floor: QualityFloor, shipped: bool) -> dict:
     if shipped:
         evaluation = greedy_prompts(loaded.tokenizer)[0]  # eval's 118 held-out prompts (the target)
         third = resolve_cut(text.num_hidden_layers)
-        result["pop++"] = {}
+        result["pop++"], fits = {}, {}
         for cut in sorted({found.cut, third}):
             if cut >= text.num_hidden_layers:
                 continue
             config = replace(KVFitConfig(), method="distill", budget_s=None)
-            weights = fit_builtin(loaded.model, loaded.tokenizer, cut, config).weights
-            quality = check_shipped(loaded.model, replace(found, cut=cut), weights)
-            held_out = measure_cuts(loaded.model, evaluation, {cut: weights}, floor.continuation)[cut]
-            result["pop++"][cut] = {**quality.to_dict(), "eval_118": held_out.to_dict()}
+            fits[cut] = fit_builtin(loaded.model, loaded.tokenizer, cut, config).weights
+            result["pop++"][cut] = check_shipped(loaded.model, replace(found, cut=cut), fits[cut]).to_dict()
+            print(f"POP++ at cut {cut}: floor prompts: {result['pop++'][cut]}", flush=True)
+        # one teacher pass over eval's prompts for every cut
+        for cut, held_out in measure_cuts(loaded.model, evaluation, fits, floor.continuation).items():
+            result["pop++"][cut]["eval_118"] = held_out.to_dict()
     return result
 
 

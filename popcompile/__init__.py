@@ -24,6 +24,7 @@ _PUBLIC = {
     "KVCalibration": "popcompile.config",
     "KVFitConfig": "popcompile.config",
     "DistillConfig": "popcompile.config",
+    "QualityFloor": "popcompile.config",
     "WeightQuantization": "popcompile.config",
     "OnnxTarget": "popcompile.exporters.targets",
     "TensorRTTarget": "popcompile.exporters.targets",
