@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from .config import KVCalibration, PopConfig, resolve_cut
 from .errors import ConfigError
+from .frontend.arch import TRANSFORMERS_FOLDERS, transformers_folder
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
 from .passes.layers import find_layers, module_path
 from .passes.pop import kv_projection_shapes
@@ -157,6 +158,10 @@ class PopBackend:
         seq = hidden.shape[1]
         if _is_one(seq):
             return "decode", "", None
+        family = _family(layers)
+        if family is not None and family not in TRANSFORMERS_FOLDERS:
+            return "fallback", (f"transformers' {family} is not a family popcompile prunes (supported: "
+                                f"{', '.join(sorted(TRANSFORMERS_FOLDERS))}; docs/families.md)"), None
         if _experts_without_the_op(gm.graph):
             return "fallback", _MOE, None
         logits = _logits_node(gm.graph)
@@ -257,6 +262,17 @@ def _kv_weights(opts: PopOptions, cut: int, num_layers: int, graph: fx.Graph):
 
 _MOE = ("a mixture of experts run by transformers' own experts implementation (tokens sorted by expert: no "
         "last position to take): call popcompile.use_pop_experts(model) before torch.compile")
+
+
+def _family(layers) -> str | None:
+    """The transformers model folder of the first decoder layer's class (its nodes' module stack), None for a
+    model of the user's own."""
+    for node in layers[0].nodes:
+        for _, cls in (node.meta.get("nn_module_stack") or {}).values():
+            folder = transformers_folder(cls) if isinstance(cls, type) else None
+            if folder is not None:
+                return folder
+    return None
 
 
 def _experts_without_the_op(graph: fx.Graph) -> bool:

@@ -91,6 +91,23 @@ def test_a_mixture_of_experts_without_the_op_runs_unpruned_and_says_how():
     assert tokens == model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
 
 
+def test_a_family_popcompile_does_not_prune_runs_unpruned_and_is_named():
+    """Phi-3's fused qkv_proj has no K/V projection of its own for the pass to keep: refused by name, never
+    pruned wrong."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(vocab_size=97, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=128, pad_token_id=0)
+    model, ids = transformers.Phi3ForCausalLM(config).eval(), prompt()
+    backend = PopBackend(PopOptions(cut=3, inner=Recorder(), min_prompt_tokens=ALWAYS))
+    with pytest.warns(PopFallbackWarning, match="transformers' phi3 is not a family popcompile prunes"):
+        tokens, _ = compiled_generate(model, ids, backend)
+    assert backend.records[0].kind == "fallback"
+    assert tokens == model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
 def test_prefill_graph_runs_deep_layers_on_the_last_position_only():
     model, ids, cut = tiny_model("llama", layers=6), prompt(), 3
     recorder = Recorder()

@@ -48,6 +48,19 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 DECODER_TYPES: tuple[str, ...] = tuple(t for t, spec in ARCHITECTURES.items() if spec.part_of is None)
 
 
+#: the transformers model folders (``transformers.models.<folder>``) whose decoders the table covers
+TRANSFORMERS_FOLDERS: frozenset[str] = frozenset(
+    {t.removesuffix("_text") for t in ARCHITECTURES}
+    | {spec.part_of for spec in ARCHITECTURES.values() if spec.part_of})
+
+
+def transformers_folder(cls: type) -> str | None:
+    """``llama`` for ``transformers.models.llama.modeling_llama.LlamaDecoderLayer``; None for a class that is
+    not one of transformers' models (a user's own module)."""
+    parts = getattr(cls, "__module__", "").split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else None
+
+
 def arch_spec(config) -> ArchSpec:
     """The table entry for a HF config (a vision-language model's: its text decoder's), or a ValueError
     naming the model type and what is supported."""
