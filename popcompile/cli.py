@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 
+from . import __version__
 from .commands import COMMANDS
 from .commands.common import CliError, require_extras
 from .errors import PopcompileError
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "decode graph sharing one KV layout, and run them."))
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of user errors too (bugs always show theirs)")
+    parser.add_argument("--version", action="version", version=f"popcompile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"popcompile.commands.{name}").register(sub)

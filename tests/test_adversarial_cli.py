@@ -98,6 +98,14 @@ def fit_file(path: Path, *, cut: int = 2, shape=(KV_WIDTH, HIDDEN), value: float
 
 # --- export: what --force may replace, and the destination ----------------------------------------
 
+def test_version_prints_the_package_version_and_exits_0(capsys):
+    import popcompile
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"popcompile {popcompile.__version__}\n"
+
+
 def test_force_refuses_a_folder_that_is_not_an_engine(hf, tmp_path, capsys):
     thesis = tmp_path / "thesis"
     thesis.mkdir()
