@@ -8,6 +8,7 @@ from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
 
 from popcompile.cli import main
+from popcompile.commands.info import summary
 from popcompile.engine.manifest import EngineManifest
 from popcompile.kvfit.calibrate import load_fit
 
@@ -75,6 +76,8 @@ def test_calibrate_on_the_users_jsonl_then_export_with_it(tiny_folder, tmp_path)
                  "--kv-calibration", str(fit)]) == 0  # no --cut: the file's own (the floor and the third: 3)
     manifest = EngineManifest.read(out)
     assert manifest.extra["kv_calibration"]["tokens"] == 768 and manifest.cut == 2
+    line = "K/V of the pruned layers: POP+ (ridge, closed form), fitted on 768 tokens\n"
+    assert line in summary(out, manifest)  # `popcompile info` and the export summary
 
 
 def test_calibrate_names_a_bad_jsonl_before_loading_the_model(tmp_path, capsys):

@@ -29,6 +29,7 @@ def summary(folder: Path, manifest) -> str:
             f"[batch, {layout.num_kv_heads}, {layout.max_seq}, {layout.head_dim}] "
             f"{layout.dtype}; folder {size / 2**20:.1f} MiB (weights shared by both graphs)\n"
             f"{quality_line(manifest.extra.get('cut_choice'))}"
+            f"{_kv_fit(manifest.extra.get('kv_calibration'))}"
             f"{_weights(manifest)}"
             f"{_attention(manifest)}"
             f"{_vision(manifest)}"
@@ -54,6 +55,19 @@ def quality_line(choice: dict | None) -> str:
         line += (f"; 1/3 pruned (cut {third['cut']}) would give {third['first_token']:.0%} / "
                  f"{third['matched_prefix']:.1f} ({searched})")
     return line + "\n"
+
+
+#: how info names each fit method (kvfit/calibrate.py's METHODS)
+FIT_NAMES = {"ridge": "POP+ (ridge, closed form)", "distill": "POP++ (distill: ridge, then trained on the "
+             "full model's greedy tokens)"}
+
+
+def _kv_fit(record: dict | None) -> str:
+    """The pruned layers' K/V projections: the model's own (the paper's POP) or the fit, what it saw."""
+    if not record:
+        return "K/V of the pruned layers: the model's own projections (the paper's POP, no fit)\n"
+    method = FIT_NAMES.get(record.get("method"), record.get("method"))
+    return f"K/V of the pruned layers: {method}, fitted on {record.get('tokens', 0):,} tokens\n"
 
 
 def _vision(manifest) -> str:
