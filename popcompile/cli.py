@@ -80,7 +80,15 @@ def _signals_raise():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # `popcompile info E | head -1`: the reader left; say nothing more, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush too
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)  # --help and --version print here
     try:
         with _signals_raise():
             require_extras(args.command)

@@ -106,6 +106,20 @@ def test_version_prints_the_package_version_and_exits_0(capsys):
     assert exited.value.code == 0 and capsys.readouterr().out == f"popcompile {popcompile.__version__}\n"
 
 
+def test_a_reader_that_left_ends_the_command_quietly(monkeypatch, engines):
+    """``popcompile info E | head -1``: stdout's reader is gone when the command writes: no traceback, the
+    exit code of SIGPIPE, and later writes go nowhere."""
+    import io
+
+    read, write = os.pipe()
+    os.close(read)  # every write to ``write`` fails with EPIPE
+    stdout = io.TextIOWrapper(os.fdopen(write, "wb", buffering=0), write_through=True)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["info", str(engines.tiny("llama", cut=3, max_seq=64))]) == 128 + signal.SIGPIPE
+    print("after", file=stdout)  # the descriptor now points at /dev/null
+    stdout.close()
+
+
 def test_force_refuses_a_folder_that_is_not_an_engine(hf, tmp_path, capsys):
     thesis = tmp_path / "thesis"
     thesis.mkdir()
