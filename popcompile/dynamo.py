@@ -149,6 +149,10 @@ class PopBackend:
                         self._chooser(gm, logits_rows, seq, opts))
 
     def _plan(self, gm: fx.GraphModule, opts: PopOptions):
+        family = _family(gm.graph)  # before find_layers, whose own refusal would not name it (OLMo 2)
+        if family is not None and family not in TRANSFORMERS_FOLDERS:
+            return "fallback", (f"transformers' {family} is not a family popcompile prunes (supported: "
+                                f"{', '.join(sorted(TRANSFORMERS_FOLDERS))}; docs/families.md)"), None
         layers = find_layers(gm.graph)
         if not layers:
             return "fallback", _NO_LAYERS, None
@@ -158,10 +162,6 @@ class PopBackend:
         seq = hidden.shape[1]
         if _is_one(seq):
             return "decode", "", None
-        family = _family(layers)
-        if family is not None and family not in TRANSFORMERS_FOLDERS:
-            return "fallback", (f"transformers' {family} is not a family popcompile prunes (supported: "
-                                f"{', '.join(sorted(TRANSFORMERS_FOLDERS))}; docs/families.md)"), None
         if _experts_without_the_op(gm.graph):
             return "fallback", _MOE, None
         logits = _logits_node(gm.graph)
@@ -264,14 +264,13 @@ _MOE = ("a mixture of experts run by transformers' own experts implementation (t
         "last position to take): call popcompile.use_pop_experts(model) before torch.compile")
 
 
-def _family(layers) -> str | None:
-    """The transformers model folder of the first decoder layer's class (its nodes' module stack), None for a
-    model of the user's own."""
-    for node in layers[0].nodes:
+def _family(graph: fx.Graph) -> str | None:
+    """The transformers model folder of the graph's decoder layers (the ``...DecoderLayer`` class in its
+    nodes' module stacks), None for a model of the user's own."""
+    for node in graph.nodes:
         for _, cls in (node.meta.get("nn_module_stack") or {}).values():
-            folder = transformers_folder(cls) if isinstance(cls, type) else None
-            if folder is not None:
-                return folder
+            if isinstance(cls, type) and cls.__name__.endswith("DecoderLayer"):
+                return transformers_folder(cls)
     return None
 
 
