@@ -62,12 +62,12 @@ def _moe_schema():
                     attributes=attributes)
 
 
-def _dense_routing(op, index, weights, num_experts: int):
-    """[N, E]: each token's weight at its experts, 0 elsewhere."""
+def _scattered(op, index, values, num_experts: int, fill: float):
+    """[N, E]: ``values`` [N, k] at each token's experts ``index`` [N, k], ``fill`` elsewhere."""
     rows = op.Shape(index, start=0, end=1)
-    zeros = op.Expand(op.CastLike(op.Constant(value_float=0.0), weights),
-                      op.Concat(rows, op.Constant(value_ints=[num_experts]), axis=0))
-    return op.ScatterElements(zeros, index, weights, axis=1)
+    filled = op.Expand(op.CastLike(op.Constant(value_float=fill), values),
+                       op.Concat(rows, op.Constant(value_ints=[num_experts]), axis=0))
+    return op.ScatterElements(filled, index, values, axis=1)
 
 
 def experts_fused(hidden, index, weights, gate_up, down):
@@ -77,10 +77,7 @@ def experts_fused(hidden, index, weights, gate_up, down):
     k, inter = index.shape[-1], rows // 2
     interleave = np.stack([np.arange(inter), np.arange(inter) + inter], axis=1).reshape(-1)
     fc1 = op.Gather(gate_up, op.Constant(value_ints=interleave.tolist()), axis=1)
-    rows_ = op.Shape(index, start=0, end=1)
-    unrouted = op.Expand(op.CastLike(op.Constant(value_float=UNROUTED), weights),
-                         op.Concat(rows_, op.Constant(value_ints=[num_experts]), axis=0))
-    router = op.ScatterElements(unrouted, index, op.Log(weights), axis=1)
+    router = _scattered(op, index, op.Log(weights), num_experts, UNROUTED)
     out = msft.MoE(hidden, router, fc1, None, down, activation_type="swiglu", swiglu_fusion=1, k=k,
                    normalize_routing_weights=1, activation_alpha=1.0, activation_beta=0.0)
     return op.Mul(out, op.ReduceSum(weights, op.Constant(value_ints=[1]), keepdims=1))
@@ -94,7 +91,7 @@ def experts_standard(hidden, index, weights, gate_up, down):
     gate, up = op.Split(up_rows, num_outputs=2, axis=-1)
     act = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)
     each = op.Einsum(act, down, equation="eni,edi->end")
-    routing = op.CastLike(_dense_routing(op, index, weights, gate_up.shape[0]), each)
+    routing = op.CastLike(_scattered(op, index, weights, gate_up.shape[0], 0.0), each)  # [N, E]
     return op.Einsum(routing, each, equation="ne,end->nd")
 
 
