@@ -115,6 +115,9 @@ def _threshold(manifest) -> str:
         return head
     if not isinstance(record.get("table"), list):
         return f"{head} ({record.get('note', 'not measured')})"
-    rows = ", ".join(f"{row.get('tokens')}: {row.get('speedup')}x"
+    rows = ", ".join(f"{row.get('tokens')}: {row.get('speedup')}x (bound {row.get('flop_bound'):.3g}x)"
+                     if isinstance(row.get("flop_bound"), (int, float)) else
+                     f"{row.get('tokens')}: {row.get('speedup')}x"
                      for row in record["table"] if isinstance(row, dict))
-    return f"{head} (measured with {record.get('runtime')}, bar {record.get('min_speedup')}x: {rows})"
+    return (f"{head} (measured with {record.get('runtime')}, bar {record.get('min_speedup')}x or half the "
+            f"FLOP bound's gain, threshold.py: {rows})")
