@@ -37,7 +37,8 @@ from ..ort_passes.graph import tensor_array
 
 def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
                      store: Callable[[onnx.TensorProto], None] | None = None) -> onnx.ModelProto:
-    """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits; float: unchanged.
+    """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits and every fused
+    mixture of experts (onnxruntime's MoE) as QMoE; float: unchanged.
     ``store``: called on each new initializer as it is made (the writer's scratch file: out of memory)."""
     if quantization.bits is None:
         return proto
@@ -48,28 +49,20 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
                                                            accuracy_level=quantization.accuracy_level,
                                                            bits=quantization.bits)
     blocks = quantizer_module.DefaultWeightOnlyQuantizer(config)
-    graph, bits = proto.graph, quantization.bits
-    weights = {t.name: t for t in graph.initializer}
-    nodes, quantized = [], set()
-    for node in graph.node:
-        weight = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if weight is None or len(weight.dims) != 2 or weight.data_type not in _FLOATS:
-            nodes.append(node)
-            continue
-        rows, cols = weight.dims
-        packed, scales, _ = blocks.qbits_block_quant(tensor_array(weight))
-        names = (f"{weight.name}_Q{bits}", f"{weight.name}_scales")
-        if names[0] not in quantized:  # a weight two MatMuls read is quantised once
-            made = [numpy_helper.from_array(packed, names[0]), numpy_helper.from_array(scales, names[1])]
-            for tensor in made if store else ():
-                store(tensor)
-            graph.initializer.extend(made)
-            quantized.add(names[0])
-        extra = {"accuracy_level": quantization.accuracy_level} if quantization.accuracy_level else {}
-        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], [node.output[0]],
-                                      name=f"{node.name}_Q{bits}" if node.name else "",
-                                      domain="com.microsoft", K=rows, N=cols, bits=bits,
-                                      block_size=quantization.block_size, **extra))
+    weights = {t.name: t for t in proto.graph.initializer}
+    made: set[str] = set()  # a weight two nodes read is quantised once
+
+    def keep(tensor: onnx.TensorProto) -> None:
+        made.add(tensor.name)
+        if store is not None:
+            store(tensor)
+        proto.graph.initializer.append(tensor)
+
+    nodes = []
+    for node in proto.graph.node:
+        rewrite = _REWRITES.get((node.domain, node.op_type))
+        nodes.append((rewrite and rewrite(node, weights, made, keep, blocks, quantization)) or node)
+    graph = proto.graph
     del graph.node[:]
     graph.node.extend(nodes)
     _drop_unread_initializers(graph)
@@ -79,6 +72,85 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
 
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+def _matmul_nbits(node, weights, made, keep, blocks, quantization: WeightQuantization):
+    """``MatMul(x, W [K, N])`` -> ``MatMulNBits(x, W_q, scales)``; None where W is not a 2-D float weight."""
+    weight = weights.get(node.input[1]) if len(node.input) == 2 else None
+    if weight is None or len(weight.dims) != 2 or weight.data_type not in _FLOATS:
+        return None
+    rows, cols = weight.dims
+    bits = quantization.bits
+    names = (f"{weight.name}_Q{bits}", f"{weight.name}_scales")
+    if names[0] not in made:
+        packed, scales, _ = blocks.qbits_block_quant(tensor_array(weight))
+        keep(numpy_helper.from_array(packed, names[0]))
+        keep(numpy_helper.from_array(scales, names[1]))
+    return helper.make_node("MatMulNBits", [node.input[0], *names], [node.output[0]],
+                            name=f"{node.name}_Q{bits}" if node.name else "", domain="com.microsoft",
+                            K=rows, N=cols, bits=bits, block_size=quantization.block_size,
+                            **_accuracy(quantization))
+
+
+def _qmoe(node, weights, made, keep, blocks, quantization: WeightQuantization):
+    """``MoE(x, router, fc1 [E, 2I, d], -, fc2 [E, d, I])`` (exporters/moe.py's fused lowering) ->
+    ``QMoE(x, router, fc1_q [E, 2I, d*bits/8] uint8, fc1_scales, -, fc2_q, fc2_scales)``, symmetric
+    (value = (q - 2^(bits-1)) * scale), the layout onnxruntime's CPU QMoE reads. int4: blocks of
+    ``block_size`` input channels (scales [E, 2I, d/bs]) by MatMulNBits' own block kernel. int8: one scale per
+    row (scales [E, 2I]): onnxruntime 1.32's 8-bit block-wise QMoE differs from its float MoE on the
+    dequantised weights by 0.5% of the output, its row-wise path by float rounding (tests/test_moe.py).
+    None where the node has biases, a third projection or weights that are not 3-D float initializers."""
+    inputs = list(node.input) + [""] * (8 - len(node.input))
+    fc1, fc2 = weights.get(inputs[2]), weights.get(inputs[4])
+    if any(inputs[i] for i in (3, 5, 6, 7)) or fc1 is None or fc2 is None:
+        return None
+    block = _expert_block_size(quantization).get("block_size", 1)
+    if any(len(w.dims) != 3 or w.data_type not in _FLOATS or w.dims[2] % block for w in (fc1, fc2)):
+        return None
+    names = []
+    for weight in (fc1, fc2):
+        names += [f"{weight.name}_Q{quantization.bits}", f"{weight.name}_scales"]
+        if names[-2] not in made:
+            packed, scales = _expert_blocks(tensor_array(weight), blocks, quantization)
+            keep(numpy_helper.from_array(packed, names[-2]))
+            keep(numpy_helper.from_array(scales, names[-1]))
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attributes = {k: v.decode() if isinstance(v, bytes) else v for k, v in attributes.items()}
+    return helper.make_node("QMoE", [inputs[0], inputs[1], names[0], names[1], "", names[2], names[3]],
+                            [node.output[0]], name=f"{node.name}_Q{quantization.bits}" if node.name else "",
+                            domain="com.microsoft", expert_weight_bits=quantization.bits,
+                            **_expert_block_size(quantization), **attributes, **_accuracy(quantization))
+
+
+def _expert_blocks(weight: np.ndarray, blocks, quantization: WeightQuantization):
+    """weight [E, rows, cols] (out, in) -> packed [E, rows, cols*bits/8] uint8 and scales (_qmoe), one expert
+    at a time (MatMulNBits' kernel quantises W [in, out] into [out, in/bs, bs*bits/8])."""
+    experts, rows, cols = weight.shape
+    block = _expert_block_size(quantization).get("block_size")
+    packed = np.empty((experts, rows, cols * quantization.bits // 8), np.uint8)
+    scales = np.empty((experts, rows) + ((cols // block,) if block else ()), weight.dtype)
+    for e in range(experts):
+        if block:
+            q, s, _ = blocks.qbits_block_quant(np.ascontiguousarray(weight[e].T))
+            packed[e], scales[e] = q.reshape(rows, -1), s.reshape(rows, -1)
+        else:  # int8 per row: [-127, 127] around 128
+            scales[e] = np.abs(weight[e]).max(axis=-1) / 127
+            step = np.where(scales[e] == 0, 1, scales[e])[:, None]
+            packed[e] = np.clip(np.rint(weight[e] / step), -127, 127) + 128
+    return packed, scales
+
+
+def _expert_block_size(quantization: WeightQuantization) -> dict:
+    """QMoE's block_size attribute: block-wise int4; int8 row-wise (no attribute)."""
+    return {"block_size": quantization.block_size} if quantization.bits == 4 else {}
+
+
+def _accuracy(quantization: WeightQuantization) -> dict:
+    return {"accuracy_level": quantization.accuracy_level} if quantization.accuracy_level else {}
+
+
+#: (domain, op type) -> its weight-only quantised form (None: left as it is)
+_REWRITES = {("", "MatMul"): _matmul_nbits, ("com.microsoft", "MoE"): _qmoe}
 
 
 def _drop_unread_initializers(graph: onnx.GraphProto) -> None:
