@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..config import ATTENTION_LOWERINGS, DTYPES, WEIGHT_FORMATS, PopConfig, QualityFloor
+from ..engine.kv import DEFAULT_MAX_SEQ
 from ..engine.manifest import BOUNDARIES
 from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
@@ -44,7 +45,9 @@ def register(sub) -> None:
                         "prefill importance the pruned layers may hold (stage-aware importance, "
                         "`popcompile analyze`)")
     p.add_argument("--max-seq", type=int,
-                   help="maximum tokens per sequence (default: min(4096, model limit))")
+                   help="the engine's context limit: prompt and generated tokens together, the KV buffer's "
+                        f"length (default: min({DEFAULT_MAX_SEQ}, model limit), the model's "
+                        "max_position_embeddings; `popcompile info` shows it)")
     p.add_argument("--kv-calibration", default=str(PopConfig().kv_calibration),
                    metavar="{auto,ridge,distill,none,FILE}",
                    help="refit the pruned layers' K/V projections, at no inference cost: distill (POP++: "
