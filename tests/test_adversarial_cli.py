@@ -400,7 +400,7 @@ def test_calibrate_writes_only_its_out_file(hf, tmp_path, name):
             (tmp_path / neighbour).write_text('{"mine": true}')
     before = tree(tmp_path)
     assert main(["calibrate", str(hf), "--out", str(tmp_path / name), "--cut", "2", "--seq-len", "16",
-                 "--text", str(corpus)]) == 0
+                 "--text", str(corpus), "--method", "ridge"]) == 0
     after = tree(tmp_path)
     assert {k: v for k, v in after.items() if k != name} == before
     fit = load_fit(tmp_path / name)

@@ -68,7 +68,7 @@ def test_calibrate_on_the_users_jsonl_then_export_with_it(tiny_folder, tmp_path)
     corpus.write_text("\n".join(f'{{"body": "{words}"}}' for _ in range(4)))
     fit = tmp_path / "kv.safetensors"
     assert main(["calibrate", str(tiny_folder), "--out", str(fit), "--cut", "2", "--seq-len", "32",
-                 "--jsonl", str(corpus), "--jsonl-field", "body"]) == 0
+                 "--jsonl", str(corpus), "--jsonl-field", "body", "--method", "ridge"]) == 0
     # each line gives 6 whole windows of 32 tokens (the rest is dropped): 24 windows -> 768 tokens
     assert load_fit(fit).info.tokens == 768 and load_fit(fit).info.cut == 2
     out = tmp_path / "engine"
