@@ -5,7 +5,8 @@
     python samples/tensorrt_deploy.py --precision fp32 --cuda-graph
     python samples/tensorrt_deploy.py --model path/to/hf-folder --kv-calibration none --min-prompt-tokens 0
 
-Without a GPU it stops at once with one line saying what is missing (exit code 2, nothing written).
+Without a GPU it stops at once with one line saying what is missing (exit code 3, as the CLI's for a machine
+that lacks what is asked; nothing written).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.max_new_tokens)
     except popcompile.PopcompileError as err:  # no GPU / tensorrt: TensorRTUnavailable, before any work
         print(f"tensorrt_deploy: {err}", file=sys.stderr)
-        return 2
+        return 3 if isinstance(err, popcompile.EnvironmentUnavailable) else 2
     return 0
 
 

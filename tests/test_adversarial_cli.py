@@ -1,5 +1,6 @@
 """Hostile and careless CLI use: every bad input exits 2 with one line naming the culprit, no traceback,
-and nothing that must survive is changed (checksums of every file around the destination).
+and nothing that must survive is changed (checksums of every file around the destination); what this
+machine lacks (a GPU, TensorRT, an extra) exits 3 instead.
 
 The CLI runs in-process (popcompile.cli.main); only the SIGTERM and concurrency cases start a process.
 Models are tiny random decoders saved as Hugging Face folders (tests/tiny.py): loading one takes ~1 s.
@@ -12,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +106,26 @@ def test_version_prints_the_package_version_and_exits_0(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
     assert exited.value.code == 0 and capsys.readouterr().out == f"popcompile {popcompile.__version__}\n"
+
+
+def test_a_missing_environment_exits_3_and_a_mistake_2_as_help_says(monkeypatch, tmp_path, capsys):
+    """A script can tell a skip (this machine lacks a GPU, TensorRT, an extra: 3) from a mistake (2)."""
+    from popcompile import commands
+    from popcompile.cli import EXIT_UNAVAILABLE, EXIT_USER_ERROR
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    epilog = capsys.readouterr().out.split("exit codes:\n")[1]
+    assert exited.value.code == 0 and re.search(r"^  2 +a mistake to fix", epilog, re.M)
+    assert re.search(r"^  3 +this machine lacks what the request needs: an NVIDIA GPU", epilog, re.M)
+    assert (EXIT_USER_ERROR, EXIT_UNAVAILABLE) == (2, 3)
+    monkeypatch.setitem(commands.EXTRA_MODULES, "compile", ("popcompile_no_such_module",))
+    argv = ["export", "smollm2-135m", "--out", str(tmp_path / "e")]
+    assert main(argv) == 3
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("popcompile export: error: ") and "pip install 'popcompile[compile]'" in line
+    assert main(["run", str(tmp_path / "e"), "--max-new-tokens", "0", "--prompt", "hi"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
 
 
 def test_a_reader_that_left_ends_the_command_quietly(monkeypatch, engines):

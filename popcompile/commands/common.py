@@ -11,7 +11,7 @@ from ..errors import ConfigError, EnvironmentUnavailable, InputError, ModelError
 
 
 class CliError(ConfigError):
-    """A bad invocation: printed as one line, exit code 2."""
+    """A bad invocation: printed as one line, exit code 2 (cli.EXIT_USER_ERROR)."""
 
 
 def require_extras(command: str) -> None:
