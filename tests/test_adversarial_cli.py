@@ -524,6 +524,56 @@ def test_bad_run_options_fail_before_the_engine_loads(tmp_path, capsys, args, cu
     fails(capsys, ["run", tmp_path / "no-engine", *args], culprit, within_s=1.0)
 
 
+def test_run_refuses_another_runtimes_flags(tmp_path, capsys):
+    """Each flag goes to one runtime (run.RUNTIME_FLAGS): given with the other, it would be ignored."""
+    fails(capsys, ["run", tmp_path / "e", "--prompt", "hi", "--cuda-graph"],
+          "--cuda-graph: --runtime tensorrt's", within_s=1.0)
+    fails(capsys, ["run", tmp_path / "e", "--prompt", "hi", "--runtime", "tensorrt", "--provider", "cuda",
+                   "--threads", "2"], "--provider, --threads: --runtime onnxruntime's", within_s=1.0)
+
+
+def usage_error(cli, *args) -> str:
+    """argparse's refusal: exit 2, usage, then one error line; that line."""
+    done = cli(*args, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_tensorrt_is_one_switch_and_provider_has_choices(cli, tmp_path):
+    from popcompile.commands.common import PROVIDERS
+    from popcompile.runtime.ort import PROVIDERS as ORT_PROVIDERS
+
+    assert set(ORT_PROVIDERS) - set(PROVIDERS) == {"tensorrt"}  # onnxruntime's devices, TensorRT elsewhere
+    for command in (["run", tmp_path / "e", "--prompt", "hi"], ["eval", tmp_path / "e", "--out", tmp_path]):
+        line = usage_error(cli, *command, "--provider", "tensorrt")
+        assert "popcompile run --runtime tensorrt" in line and "cpu or cuda" in line, line
+        assert "invalid choice: 'tpu'" in usage_error(cli, *command, "--provider", "tpu")
+    assert "--runtime {onnxruntime,tensorrt}" in cli("run", "--help").stdout
+
+
+def test_precision_flags_share_one_vocabulary_and_take_the_short_spellings(cli, tmp_path):
+    """export --dtype and --precision (build-trt, export --target tensorrt): float32/float16/bfloat16, with
+    fp32/fp16/bf16 as aliases; build-trt hands TrtBuildConfig its own spelling."""
+    from popcompile.cli import build_parser
+    from popcompile.commands.build_trt import build_config
+    from popcompile.exporters.tensorrt import PRECISIONS, TrtBuildConfig
+
+    parse = build_parser().parse_args
+    export = ["export", "m", "--out", "o"]
+    assert parse([*export, "--dtype", "fp16"]).dtype == parse([*export, "--dtype", "float16"]).dtype
+    assert parse([*export, "--dtype", "fp16"]).dtype == "float16"
+    assert parse(export).dtype == "float32" and parse([*export, "--precision", "FP32"]).precision == "float32"
+    for given, trt in (("bf16", "bf16"), ("bfloat16", "bf16"), ("float16", "fp16"), ("fp32", "fp32")):
+        assert build_config(parse(["build-trt", "e", "--precision", given])).precision == trt
+    assert build_config(parse(["build-trt", "e"])) == TrtBuildConfig()  # the same default
+    assert sorted(build_config(parse(["build-trt", "e", "--precision", p])).precision
+                  for p in ("float32", "float16", "bfloat16")) == sorted(PRECISIONS)
+    assert "invalid choice: 'bfloat16'" in usage_error(cli, *export, "--dtype", "bf16")  # no bfloat16 ONNX
+    assert "invalid choice: 'fp8'" in usage_error(cli, "build-trt", tmp_path, "--precision", "fp8")
+    for command in (export, ["build-trt", "e"]):
+        assert "{float32,float16" in " ".join(cli(*command[:1], "--help").stdout.split())
+
+
 def test_run_prompt_file_that_is_not_utf8(tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_bytes(b"\x80\x81 bonjour")

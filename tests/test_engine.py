@@ -391,7 +391,6 @@ def test_bad_engine_folders(smol_engine, tmp_path, cli_error):
 def test_bad_run_input(smol_engine, cli_error):
     assert "empty" in cli_error("run", smol_engine, "--prompt", "")
     assert "max length" in cli_error("run", smol_engine, "--prompt", "word " * (MAX_SEQ + 10), "--no-chat")
-    assert "unknown provider" in cli_error("run", smol_engine, "--prompt", "hi", "--provider", "tpu")
     assert "--greedy" in cli_error("run", smol_engine, "--prompt", "hi", "--greedy", "--temperature", "0.7")
 
 

@@ -61,6 +61,40 @@ def add_cut_options(parser, *, allow_auto: bool = False) -> None:
                           f"floor(L*R); {paper})")
 
 
+#: every precision flag's one vocabulary (export --dtype; --precision of build-trt and of export --target
+#: tensorrt): the names the manifest and `popcompile info` print. The short spellings are aliases.
+PRECISION_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+#: --provider: onnxruntime's devices (runtime.ort.PROVIDERS but tensorrt: TensorRT is one switch, `run
+#: --runtime tensorrt`; tests/test_adversarial_cli.py keeps the two in step)
+PROVIDERS = ("cpu", "cuda")
+
+
+def add_precision_option(parser, flag: str, choices, *, default: str | None, help: str) -> None:
+    """A precision flag in the one vocabulary (float32, float16, bfloat16; fp32/fp16/bf16 accepted)."""
+    aliases = ", ".join(short for short, name in PRECISION_ALIASES.items() if name in choices)
+    parser.add_argument(flag, type=precision_name, choices=choices, default=default,
+                        help=f"{help}; also spelled {aliases}")
+
+
+def precision_name(text: str) -> str:
+    """The one vocabulary's name of a precision spelling (fp16 -> float16); others as given, for argparse's
+    choices to refuse."""
+    return PRECISION_ALIASES.get(text.lower(), text.lower())
+
+
+def add_provider_option(parser, help: str) -> None:
+    """--provider {cpu,cuda}: onnxruntime's device (default None: cpu)."""
+    parser.add_argument("--provider", type=provider_name, choices=PROVIDERS, help=help)
+
+
+def provider_name(text: str) -> str:
+    if text == "tensorrt":
+        raise argparse.ArgumentTypeError(
+            "TensorRT has one switch, `popcompile run --runtime tensorrt` (the folder's plans from "
+            "`popcompile build-trt`); --provider picks onnxruntime's device: cpu or cuda")
+    return text
+
+
 def add_fit_options(parser) -> None:
     """--device and --calibration-budget: where a K/V fit runs and how long it may take (KVFitConfig's
     defaults; kvfit/budget.py)."""

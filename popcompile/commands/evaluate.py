@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..measure.eval.config import PROMPT_FORMATS, check_output_folder
-from .common import add_cut_options, add_model_argument, quiet_libraries
+from .common import add_cut_options, add_model_argument, add_provider_option, quiet_libraries
 
 
 def register(sub) -> None:
@@ -52,8 +52,7 @@ def register(sub) -> None:
                         "timeout)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds per HumanEval test program (default 10)")
-    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"],
-                   help="onnxruntime provider for an engine folder (default cpu)")
+    add_provider_option(p, "onnxruntime's device for an engine folder: cpu (default) or cuda")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads for an engine folder "
                                                "(default: onnxruntime's, one per core)")
     p.add_argument("--out", required=True, type=Path, help="folder for results.json, quality.png, sweep.png")

@@ -18,6 +18,7 @@ from .common import (
     add_cut_options,
     add_fit_options,
     add_model_argument,
+    add_precision_option,
     check_range,
     fit_options,
     precheck_model,
@@ -68,9 +69,9 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the manifest as JSON instead of a summary, with \"steps\": each step's wall "
                         "seconds and peak resident memory (each also printed to stderr as it ends)")
-    p.add_argument("--dtype", choices=DTYPES, default=PopConfig.dtype,
-                   help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to "
-                        "run)")
+    add_precision_option(p, "--dtype", DTYPES, default=PopConfig.dtype,
+                         help=f"ONNX graph precision (default {PopConfig.dtype}; a float16 engine runs with "
+                              "`run --provider cuda`)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="float",
                    help="weight format of the onnx target: float (default: the --dtype), int8 or int4 "
                         "(onnxruntime's MatMulNBits, weight-only: every matmul weight and the LM head in "

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from . import build_trt
-from .common import CliError, check_range, read_text
+from .common import CliError, add_provider_option, check_range, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 
@@ -64,8 +64,10 @@ def register(sub) -> None:
     p.add_argument("--min-prompt-tokens", type=int, metavar="N",
                    help="prompts shorter than N prefill with the full model (default: the engine's, chosen "
                         "at export; 0: POP for every prompt)")
-    p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
+    add_provider_option(p, "onnxruntime's device: cpu (default) or cuda (onnxruntime-gpu); TensorRT is "
+                           "--runtime tensorrt")
+    p.add_argument("--threads", type=int,
+                   help="onnxruntime's intra-op threads (default: onnxruntime's choice)")
     build_trt.add_runtime_options(p)
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call, with the runtime's one-time start-up in it (default: one "
@@ -76,12 +78,24 @@ def register(sub) -> None:
 
 
 def open_session(args):
-    """The session `run` generates with: the runtime registered as ``--runtime``, given its flags."""
+    """The session `run` generates with: the runtime registered as ``--runtime``, given the flags of its that
+    the user gave (the session's defaults for the others)."""
     from ..runtime import open_session as open_runtime
 
     runtime = getattr(args, "runtime", "onnxruntime")
-    return open_runtime(args.engine, runtime,
-                        **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())})
+    given = {flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())}
+    return open_runtime(args.engine, runtime, **{flag: value for flag, value in given.items()
+                                                  if value is not None})
+
+
+def _check_runtime_flags(args) -> None:
+    """CliError for a flag of a runtime other than --runtime's (it would be ignored)."""
+    for runtime, flags in RUNTIME_FLAGS.items():
+        stray = [f"--{flag.replace('_', '-')}" for flag in flags
+                 if runtime != args.runtime and getattr(args, flag) is not None]
+        if stray:
+            raise CliError(f"{', '.join(stray)}: --runtime {runtime}'s, not {args.runtime}'s (ignored "
+                           f"there): drop {'it' if len(stray) == 1 else 'them'} or give --runtime {runtime}")
 
 
 def _sampling_options(args):
@@ -144,6 +158,7 @@ def _check_args(args) -> str | None:
     """The prompt text (file first, then --prompt), None for a conversation (--chat alone); ConfigError/
     InputError for bad options."""
     check_range("--threads", args.threads, 1)
+    _check_runtime_flags(args)
     check_range("--max-new-tokens", args.max_new_tokens, 1)
     check_range("--min-prompt-tokens", args.min_prompt_tokens, 0)
     check_range("--repeat", args.repeat, 1)
