@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from cli_lines import error_lines
 
 from popcompile.engine.manifest import MANIFEST, EngineError, EngineManifest
 from popcompile.engine.tensorrt import PLANS, Profile, ShapeRange, TensorRTUnavailable, TrtSection
@@ -155,7 +156,7 @@ def test_cli_without_gpu_names_the_need(command, llama_engine, cli, tmp_path):
         "export", "smollm2-135m", "--out", str(tmp_path / "new"), "--target", "tensorrt"]
     result = cli(*args, check=False)
     assert result.returncode == 3, result.stderr  # the machine lacks it: a skip, not a mistake
-    lines = result.stderr.strip().splitlines()
+    lines = error_lines(result.stderr)  # after the steps that ran (progress lines, in a log)
     assert len(lines) == 1 and lines[0].startswith(f"popcompile {command}: error: ")
     assert "NVIDIA GPU" in lines[0] and "popcompile export MODEL --out DIR" in lines[0]
 

@@ -6,7 +6,6 @@ Also the pieces the export and run commands use for TensorRT: ``add_build_option
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,12 +58,12 @@ def _cli_precision(trt: str) -> str:
 
 
 def build(folder: Path, config: TrtBuildConfig, *, force: bool):
-    """build_engines with a progress bar on stderr; returns the manifest's new tensorrt section."""
-    from tqdm import tqdm
-
+    """build_engines with its progress on stderr (a bar on a terminal, a line per step in a log); returns the
+    manifest's new tensorrt section."""
     from ..exporters.tensorrt import build_engines
+    from ..progress import progress_bar
 
-    with tqdm(total=len(BUILD_STEPS), desc="build-trt", unit="step", file=sys.stderr, disable=None) as bar:
+    with progress_bar(len(BUILD_STEPS), "build-trt", "step") as bar:
         def progress(name: str) -> None:
             if bar.n or name != BUILD_STEPS[0]:
                 bar.update(1)

@@ -231,6 +231,7 @@ def _compile(args, config, target):
 
     from ..driver import compile, steps
     from ..frontend.models import load_model
+    from ..progress import progress_bar
     from .fitprogress import FitProgress
 
     quiet_libraries()
@@ -252,7 +253,7 @@ def _compile(args, config, target):
         cut, choice = choose_cut(loaded, budget=args.budget)
         config = replace(config, cut=cut, cut_choice=choice)
     names = steps(config, target)
-    with tqdm(total=len(names), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
+    with progress_bar(len(names), "export", "step") as bar:  # a bar on a terminal, a line per step in a log
         def progress(name: str) -> None:
             if bar.n or name != names[0]:
                 bar.update(1)
