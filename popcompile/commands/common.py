@@ -201,6 +201,25 @@ def read_text(path: Path, what: str) -> str:
         raise InputError(f"{what} {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from None
 
 
+def jsonl_texts(text: str, field: str = "text") -> list[str]:
+    """Texts of a JSON-lines file: each line a JSON string or an object with a string ``field`` (blank lines
+    skipped). No torch: `run --prompts` reads these on a runtime-only install."""
+    texts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"JSONL line {number} is not JSON: {err.msg}") from None
+        value = item.get(field) if isinstance(item, dict) else item
+        if not isinstance(value, str):
+            raise InputError(f"JSONL line {number}: expected a string or an object with a string "
+                             f"{field!r} field")
+        texts.append(value)
+    return texts
+
+
 def add_corpus_options(p, verb: str) -> None:
     """--text / --jsonl / --jsonl-field: the user's own text instead of the built-in corpus."""
     p.add_argument("--text", type=Path, action="append", default=[],
@@ -214,8 +233,6 @@ def add_corpus_options(p, verb: str) -> None:
 
 def user_sources(args) -> dict[str, list[str]] | None:
     """{file: texts} of --text and --jsonl, in the order given; None for the built-in corpus."""
-    from ..measure.analyze_samples import jsonl_texts
-
     sources: dict[str, list[str]] = {}
     for path in args.text:
         sources[str(path)] = [read_text(path, "--text")]
