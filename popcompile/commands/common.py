@@ -220,10 +220,12 @@ def jsonl_texts(text: str, field: str = "text") -> list[str]:
     return texts
 
 
-def add_corpus_options(p, verb: str) -> None:
-    """--text / --jsonl / --jsonl-field: the user's own text instead of the built-in corpus."""
+def add_corpus_options(p, verb: str, windows: str = "") -> None:
+    """--text / --jsonl / --jsonl-field: the user's own text instead of the built-in corpus (``windows``:
+    how the command reads it, said in --text's help)."""
     p.add_argument("--text", type=Path, action="append", default=[],
-                   help=f"{verb} on this text file instead of the built-in corpus (repeatable)")
+                   help=f"{verb} on this text file instead of the built-in corpus (repeatable)"
+                        + (f"; {windows}" if windows else ""))
     p.add_argument("--jsonl", type=Path, action="append", default=[],
                    help=f"{verb} on this JSON-lines file: one string, or object with --jsonl-field, per line "
                         "(repeatable)")
