@@ -47,6 +47,7 @@ _PUBLIC = {
     "ModelError": "popcompile.errors",
     "EngineError": "popcompile.errors",
     "OutputError": "popcompile.errors",
+    "EnvironmentUnavailable": "popcompile.errors",
 }
 
 #: deprecated name -> its replacement: importable (with a DeprecationWarning), not exported by ``import *``

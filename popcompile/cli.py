@@ -1,8 +1,10 @@
 """The ``popcompile`` command: subcommands from ``popcompile.commands.COMMANDS``.
 
-Errors a user can fix (``popcompile.errors.PopcompileError``) exit with code 2 and one line naming the
-problem and the fix (no traceback; ``--debug`` shows it). Any other exception is a bug and shows its
-traceback.
+Errors a user can fix (``popcompile.errors.PopcompileError``) exit with one line naming the problem and the
+fix (no traceback; ``--debug`` shows it): code 3 when this machine lacks what the request needs
+(``EnvironmentUnavailable``: no GPU, no TensorRT, a missing extra), so that a script can tell a skip from
+a mistake; code 2 for every other (an option, an input, a model, an engine folder, an output), as argparse's
+usage errors. Any other exception is a bug and shows its traceback. ``EXIT_CODES`` is the one table.
 Heavy imports (torch, transformers) happen inside the commands that need them.
 """
 from __future__ import annotations
@@ -13,20 +15,41 @@ import importlib
 import os
 import signal
 import sys
+import textwrap
 import threading
 
 from . import __version__
 from .commands import COMMANDS
 from .commands.common import CliError, require_extras
-from .errors import PopcompileError
+from .errors import EnvironmentUnavailable, PopcompileError
 
-__all__ = ["CliError", "build_parser", "main"]
+__all__ = ["CliError", "EXIT_CODES", "EXIT_UNAVAILABLE", "EXIT_USER_ERROR", "build_parser", "main"]
+
+#: a mistake the user can fix: an option, an input, a model, an engine folder, an output (argparse's too)
+EXIT_USER_ERROR = 2
+#: this machine lacks what the request needs (errors.EnvironmentUnavailable): a skip, not a mistake
+EXIT_UNAVAILABLE = 3
+#: every exit code popcompile gives, as `popcompile --help` lists them
+EXIT_CODES = {
+    0: "done",
+    1: "`check` found what the target does not support",
+    EXIT_USER_ERROR: "a mistake to fix: an option, an input, a model, an engine folder or an output (one "
+                     "line on stderr names it and the fix)",
+    EXIT_UNAVAILABLE: "this machine lacks what the request needs: an NVIDIA GPU, TensorRT, onnxruntime-gpu, "
+                      "a pip extra (one line names it)",
+    128 + signal.SIGINT: "interrupted (Ctrl-C)",
+    128 + signal.SIGPIPE: "stdout's reader left (`popcompile info E | head -1`)",
+    128 + signal.SIGTERM: "terminated (SIGTERM)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    codes = "\n".join(textwrap.fill(meaning, 78, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
+                      for code, meaning in EXIT_CODES.items())
     parser = argparse.ArgumentParser(prog="popcompile", description=(
         "Prefill-Only Pruning compiler: export a decoder LLM as a pruned prefill graph and its untouched "
-        "decode graph sharing one KV layout, and run them."))
+        "decode graph sharing one KV layout, and run them."), epilog=f"exit codes:\n{codes}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of user errors too (bugs always show theirs)")
     parser.add_argument("--version", action="version", version=f"popcompile {__version__}")
@@ -98,11 +121,11 @@ def _run(argv: list[str] | None) -> int:
             raise
         one_line = " ".join(str(err).splitlines())  # wrapped library messages can span lines
         print(f"popcompile {args.command}: error: {one_line}", file=sys.stderr)
-        return 2
+        return EXIT_UNAVAILABLE if isinstance(err, EnvironmentUnavailable) else EXIT_USER_ERROR
     except Terminated:
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        return 130
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -5,7 +5,7 @@
               kv_calibration="auto",          KVCalibration: none | auto | ridge | distill | a file
                                               from `popcompile calibrate`
               dtype="float32", max_seq=None,  engine precision, KV buffer length
-                                              (None: min(4096, model limit))
+                                              (None: min(4096, model limit): engine.kv.DEFAULT_MAX_SEQ)
               min_prompt_tokens="auto",       prompts shorter than this prefill in full ("auto": measured)
               kv_fit=KVFitConfig())           how auto / ridge / distill fit (steps, windows, ridge, ...)
 

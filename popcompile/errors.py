@@ -11,15 +11,16 @@
       OutputError              a destination that cannot be written without losing something
       EnvironmentUnavailable   this machine lacks what the request needs (a GPU, a package)
 
-The CLI turns these, and only these, into one line and exit code 2; any other exception is a bug
-and keeps its traceback. ``ConfigError``, ``InputError``, ``ModelError`` and ``EngineError`` are
-also ``ValueError`` so that code written against the earlier ``ValueError`` contract keeps working.
+The CLI turns these, and only these, into one line and exit code 2, or 3 for ``EnvironmentUnavailable``
+(a skip, not a mistake: cli.EXIT_CODES); any other exception is a bug and keeps its traceback.
+``ConfigError``, ``InputError``, ``ModelError`` and ``EngineError`` are also ``ValueError`` so that code
+written against the earlier ``ValueError`` contract keeps working.
 """
 from __future__ import annotations
 
 
 class PopcompileError(Exception):
-    """A problem the user can fix: printed by the CLI as one line, exit code 2."""
+    """A problem the user can fix: printed by the CLI as one line, exit code 2 (3: EnvironmentUnavailable)."""
 
 
 class ConfigError(PopcompileError, ValueError):
@@ -55,4 +56,4 @@ class OutputError(PopcompileError):
 
 
 class EnvironmentUnavailable(PopcompileError, RuntimeError):
-    """This machine lacks what the request needs (an NVIDIA GPU, a package)."""
+    """This machine lacks what the request needs (an NVIDIA GPU, a package): the CLI's exit code 3."""

@@ -5,7 +5,7 @@ text streamed.
     python samples/chat.py --out engines/gemma --model gemma3-270m --turn "Hi!" --turn "What did I just say?"
 
 An engine already in ``--out`` is used as it is; otherwise ``--model`` is compiled into it first (add
-``--kv-calibration none --min-prompt-tokens 0`` to skip the POP+ fit and the threshold measurement, the slow
+``--kv-calibration none --min-prompt-tokens 0`` to skip the POP++ fit and the threshold measurement, the slow
 part). Each turn prefills only what the cache does not hold of the conversation so far (POP when that
 is long enough: the engine's min_prompt_tokens).
 """
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine folder (compiled from --model if it holds none)")
     parser.add_argument("--model", default="smollm2-135m", help="shipped name, .gguf or HF folder")
     parser.add_argument("--kv-calibration", default="auto",
-                        help="auto (POP+), none (the paper's POP) or a file")
+                        help="auto (default: POP++ on a text model, POP+ on a vision-language model), "
+                             "ridge (POP+), distill (POP++), none (the paper's POP) or a file from "
+                             "`popcompile calibrate`")
     parser.add_argument("--min-prompt-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--turn", action="append",
                         help="a user message (repeat; default: two built-in turns)")

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine folder to write (replaced if one is there)")
     parser.add_argument("--prompt", default="Write a haiku about compilers.")
     parser.add_argument("--kv-calibration", default="auto",
-                        help="auto (POP+), none (the paper's POP) or a file")
+                        help="auto (default: POP++ on a text model, POP+ on a vision-language model), "
+                             "ridge (POP+), distill (POP++), none (the paper's POP) or a file from "
+                             "`popcompile calibrate`")
     parser.add_argument("--min-prompt-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--max-seq", type=int, help="KV buffer length (default: min(4096, model limit))")
     parser.add_argument("--max-new-tokens", type=int, default=32)

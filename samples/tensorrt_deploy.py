@@ -5,7 +5,8 @@
     python samples/tensorrt_deploy.py --precision fp32 --cuda-graph
     python samples/tensorrt_deploy.py --model path/to/hf-folder --kv-calibration none --min-prompt-tokens 0
 
-Without a GPU it stops at once with one line saying what is missing (exit code 2, nothing written).
+Without a GPU it stops at once with one line saying what is missing (exit code 3, as the CLI's for a machine
+that lacks what is asked; nothing written).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graph", action="store_true", help="replay decode steps as a CUDA graph")
     parser.add_argument("--prompt", default="Write a haiku about compilers.")
     parser.add_argument("--kv-calibration", default="auto",
-                        help="auto (POP+), none (the paper's POP) or a file")
+                        help="auto (default: POP++ on a text model, POP+ on a vision-language model), "
+                             "ridge (POP+), distill (POP++), none (the paper's POP) or a file from "
+                             "`popcompile calibrate`")
     parser.add_argument("--min-prompt-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--max-seq", type=int, help="KV buffer length (default: min(4096, model limit))")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.max_new_tokens)
     except popcompile.PopcompileError as err:  # no GPU / tensorrt: TensorRTUnavailable, before any work
         print(f"tensorrt_deploy: {err}", file=sys.stderr)
-        return 2
+        return 3 if isinstance(err, popcompile.EnvironmentUnavailable) else 2
     return 0
 
 

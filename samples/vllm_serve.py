@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace --out if popcompile wrote it")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--kv-calibration", default="auto",
-                        help="auto (POP+), none (POP) or a calibration file")
+                        help="auto (default: POP++ on a text model, POP+ on a vision-language model), "
+                             "ridge (POP+), distill (POP++), none (the paper's POP) or a file from "
+                             "`popcompile calibrate`")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     try:

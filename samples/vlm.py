@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", action="append", required=True, help="an image file (repeatable)")
     parser.add_argument("--question", default="What is in this picture?")
     parser.add_argument("--kv-calibration", default="auto",
-                        help="auto (POP+), none (the paper's POP) or a file")
+                        help="auto (default: POP+ on a vision-language model), ridge (POP+), "
+                             "none (the paper's POP) or a file from `popcompile calibrate`")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     try:

@@ -1,5 +1,6 @@
 """Hostile and careless CLI use: every bad input exits 2 with one line naming the culprit, no traceback,
-and nothing that must survive is changed (checksums of every file around the destination).
+and nothing that must survive is changed (checksums of every file around the destination); what this
+machine lacks (a GPU, TensorRT, an extra) exits 3 instead.
 
 The CLI runs in-process (popcompile.cli.main); only the SIGTERM and concurrency cases start a process.
 Models are tiny random decoders saved as Hugging Face folders (tests/tiny.py): loading one takes ~1 s.
@@ -12,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_lines import error_lines
 from safetensors.torch import save_file
 from tiny import tiny_model
 from tiny_engine import tiny_tokenizer
@@ -64,12 +67,13 @@ def tree(path: Path) -> dict[str, str]:
 
 
 def fails(capsys, argv: list, culprit: str, *, within_s: float | None = None) -> str:
-    """Run the CLI: exit 2, exactly one stderr line containing ``culprit``, no traceback; return the line."""
+    """Run the CLI: exit 2, exactly one stderr line containing ``culprit`` besides progress, no traceback;
+    return the line."""
     start = time.perf_counter()
     code = main([str(a) for a in argv])
     seconds = time.perf_counter() - start
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = error_lines(err)  # in a log the steps that ran are said first (progress.py)
     assert code == 2, err
     assert "Traceback" not in err and len(lines) == 1, err
     assert culprit in lines[0], lines[0]
@@ -104,6 +108,26 @@ def test_version_prints_the_package_version_and_exits_0(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
     assert exited.value.code == 0 and capsys.readouterr().out == f"popcompile {popcompile.__version__}\n"
+
+
+def test_a_missing_environment_exits_3_and_a_mistake_2_as_help_says(monkeypatch, tmp_path, capsys):
+    """A script can tell a skip (this machine lacks a GPU, TensorRT, an extra: 3) from a mistake (2)."""
+    from popcompile import commands
+    from popcompile.cli import EXIT_UNAVAILABLE, EXIT_USER_ERROR
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    epilog = capsys.readouterr().out.split("exit codes:\n")[1]
+    assert exited.value.code == 0 and re.search(r"^  2 +a mistake to fix", epilog, re.M)
+    assert re.search(r"^  3 +this machine lacks what the request needs: an NVIDIA GPU", epilog, re.M)
+    assert (EXIT_USER_ERROR, EXIT_UNAVAILABLE) == (2, 3)
+    monkeypatch.setitem(commands.EXTRA_MODULES, "compile", ("popcompile_no_such_module",))
+    argv = ["export", "smollm2-135m", "--out", str(tmp_path / "e")]
+    assert main(argv) == 3
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("popcompile export: error: ") and "pip install 'popcompile[compile]'" in line
+    assert main(["run", str(tmp_path / "e"), "--max-new-tokens", "0", "--prompt", "hi"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
 
 
 def test_a_reader_that_left_ends_the_command_quietly(monkeypatch, engines):
@@ -400,7 +424,7 @@ def test_calibrate_writes_only_its_out_file(hf, tmp_path, name):
             (tmp_path / neighbour).write_text('{"mine": true}')
     before = tree(tmp_path)
     assert main(["calibrate", str(hf), "--out", str(tmp_path / name), "--cut", "2", "--seq-len", "16",
-                 "--text", str(corpus)]) == 0
+                 "--text", str(corpus), "--method", "ridge"]) == 0
     after = tree(tmp_path)
     assert {k: v for k, v in after.items() if k != name} == before
     fit = load_fit(tmp_path / name)
@@ -500,6 +524,56 @@ def test_analyze_refuses_its_old_report_and_non_utf8_text(hf, tmp_path, capsys):
         "repeat-without-compare", "no-prompt"])
 def test_bad_run_options_fail_before_the_engine_loads(tmp_path, capsys, args, culprit):
     fails(capsys, ["run", tmp_path / "no-engine", *args], culprit, within_s=1.0)
+
+
+def test_run_refuses_another_runtimes_flags(tmp_path, capsys):
+    """Each flag goes to one runtime (run.RUNTIME_FLAGS): given with the other, it would be ignored."""
+    fails(capsys, ["run", tmp_path / "e", "--prompt", "hi", "--cuda-graph"],
+          "--cuda-graph: --runtime tensorrt's", within_s=1.0)
+    fails(capsys, ["run", tmp_path / "e", "--prompt", "hi", "--runtime", "tensorrt", "--provider", "cuda",
+                   "--threads", "2"], "--provider, --threads: --runtime onnxruntime's", within_s=1.0)
+
+
+def usage_error(cli, *args) -> str:
+    """argparse's refusal: exit 2, usage, then one error line; that line."""
+    done = cli(*args, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_tensorrt_is_one_switch_and_provider_has_choices(cli, tmp_path):
+    from popcompile.commands.common import PROVIDERS
+    from popcompile.runtime.ort import PROVIDERS as ORT_PROVIDERS
+
+    assert set(ORT_PROVIDERS) - set(PROVIDERS) == {"tensorrt"}  # onnxruntime's devices, TensorRT elsewhere
+    for command in (["run", tmp_path / "e", "--prompt", "hi"], ["eval", tmp_path / "e", "--out", tmp_path]):
+        line = usage_error(cli, *command, "--provider", "tensorrt")
+        assert "popcompile run --runtime tensorrt" in line and "cpu or cuda" in line, line
+        assert "invalid choice: 'tpu'" in usage_error(cli, *command, "--provider", "tpu")
+    assert "--runtime {onnxruntime,tensorrt}" in cli("run", "--help").stdout
+
+
+def test_precision_flags_share_one_vocabulary_and_take_the_short_spellings(cli, tmp_path):
+    """export --dtype and --precision (build-trt, export --target tensorrt): float32/float16/bfloat16, with
+    fp32/fp16/bf16 as aliases; build-trt hands TrtBuildConfig its own spelling."""
+    from popcompile.cli import build_parser
+    from popcompile.commands.build_trt import build_config
+    from popcompile.exporters.tensorrt import PRECISIONS, TrtBuildConfig
+
+    parse = build_parser().parse_args
+    export = ["export", "m", "--out", "o"]
+    assert parse([*export, "--dtype", "fp16"]).dtype == parse([*export, "--dtype", "float16"]).dtype
+    assert parse([*export, "--dtype", "fp16"]).dtype == "float16"
+    assert parse(export).dtype == "float32" and parse([*export, "--precision", "FP32"]).precision == "float32"
+    for given, trt in (("bf16", "bf16"), ("bfloat16", "bf16"), ("float16", "fp16"), ("fp32", "fp32")):
+        assert build_config(parse(["build-trt", "e", "--precision", given])).precision == trt
+    assert build_config(parse(["build-trt", "e"])) == TrtBuildConfig()  # the same default
+    assert sorted(build_config(parse(["build-trt", "e", "--precision", p])).precision
+                  for p in ("float32", "float16", "bfloat16")) == sorted(PRECISIONS)
+    assert "invalid choice: 'bfloat16'" in usage_error(cli, *export, "--dtype", "bf16")  # no bfloat16 ONNX
+    assert "invalid choice: 'fp8'" in usage_error(cli, "build-trt", tmp_path, "--precision", "fp8")
+    for command in (export, ["build-trt", "e"]):
+        assert "{float32,float16" in " ".join(cli(*command[:1], "--help").stdout.split())
 
 
 def test_run_prompt_file_that_is_not_utf8(tmp_path, capsys):

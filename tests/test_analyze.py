@@ -247,13 +247,15 @@ def test_default_corpus_is_humaneval_prompts_and_stdlib_docstrings():
 
 
 def test_jsonl_texts():
+    from popcompile.commands.common import jsonl_texts
+
     text = '"plain"\n\n{"text": "obj"}\n{"body": "other", "text": "x"}\n'
-    assert analyze.jsonl_texts(text) == ["plain", "obj", "x"]
-    assert analyze.jsonl_texts('{"body": "b"}', field="body") == ["b"]
+    assert jsonl_texts(text) == ["plain", "obj", "x"]
+    assert jsonl_texts('{"body": "b"}', field="body") == ["b"]
     with pytest.raises(ValueError, match="line 2 is not JSON"):
-        analyze.jsonl_texts('"a"\n{oops')
+        jsonl_texts('"a"\n{oops')
     with pytest.raises(ValueError, match="line 1: expected a string"):
-        analyze.jsonl_texts('{"body": 3}')
+        jsonl_texts('{"body": 3}')
 
 
 # --- end to end --------------------------------------------------------------------------------------

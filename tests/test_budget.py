@@ -86,13 +86,13 @@ def test_bad_device_and_budget_name_the_flag(field, value, flag):
     assert KVFitConfig().budget_s == DEFAULT_CALIBRATION_BUDGET_S and KVFitConfig().device == "auto"
 
 
-def test_cli_device_without_a_gpu_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
-    """Before the model loads: the model path need not even exist."""
+def test_cli_device_without_a_gpu_is_one_line_exit_3(tmp_path, capsys, monkeypatch):
+    """Before the model loads: the model path need not even exist. 3: the machine lacks it (bad values: 2)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv in (["export", str(tmp_path / "m"), "--out", str(tmp_path / "e"), "--device", "cuda"],
                  ["calibrate", str(tmp_path / "m"), "--out", str(tmp_path / "k.safetensors"), "--device",
                   "cuda:1"]):
-        assert main(argv) == 2
+        assert main(argv) == 3
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and "torch sees no CUDA GPU" in lines[0] and "--device cuda" in lines[0], lines
     assert main(["export", str(tmp_path / "m"), "--out", str(tmp_path / "e"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 from tiny import tiny_model
@@ -25,17 +26,25 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def test_cut_auto_with_a_budget_takes_analyze_recommendation_and_records_it(tiny_folder, tmp_path):
-    """--cut auto alone is the quality floor (test_floor.py); --budget asks analyze."""
+def test_cut_auto_with_a_budget_takes_analyze_recommendation_and_records_it(tiny_folder, tmp_path, capsys):
+    """--cut auto alone is the quality floor (test_floor.py); --budget asks analyze. In a log (stderr not a
+    terminal) the fit shows its estimate and a line per 10% inside the calibrate step."""
     out = tmp_path / "engine"
     assert main(["export", str(tiny_folder), "--out", str(out), "--cut", "auto", "--budget", "0.3",
                  "--max-seq", "64", "--kv-calibration", "ridge"]) == 0  # auto's distillation: test_driver.py
+    err = capsys.readouterr().err.splitlines()
     manifest = EngineManifest.read(out)
     choice = manifest.extra["cut_choice"]
     assert choice["method"] == "analyze" and choice["cut"] == manifest.cut and choice["budget"] == 0.3
     assert 1 <= manifest.cut <= 6
     if manifest.cut < 6:  # fitted for the chosen cut, and recorded
         assert manifest.extra["kv_calibration"]["cut"] == manifest.cut
+        begun = [i for i, line in enumerate(err) if line.startswith("export ")]  # a line as each step begins
+        step = next(i for i in begun if re.fullmatch(r"export \d+/\d+: calibrate, \d+ s", err[i]))
+        inside = err[step + 1:min(i for i in begun if i > step)]
+        assert inside[0].startswith("fitting POP+ K/V weights on cpu: ~") and len(inside) > 2, inside
+        assert all(re.fullmatch(r"calibrate \(POP\+, ridge\): \d+/\d+ tok \(\d+%\), \d+ s", line)
+                   for line in inside[1:]) and inside[-1].split(" tok ")[1].startswith("(100%)"), inside
 
 
 def test_kv_calibration_none_is_the_papers_pop(tiny_folder, tmp_path):
@@ -68,7 +77,7 @@ def test_calibrate_on_the_users_jsonl_then_export_with_it(tiny_folder, tmp_path)
     corpus.write_text("\n".join(f'{{"body": "{words}"}}' for _ in range(4)))
     fit = tmp_path / "kv.safetensors"
     assert main(["calibrate", str(tiny_folder), "--out", str(fit), "--cut", "2", "--seq-len", "32",
-                 "--jsonl", str(corpus), "--jsonl-field", "body"]) == 0
+                 "--jsonl", str(corpus), "--jsonl-field", "body", "--method", "ridge"]) == 0
     # each line gives 6 whole windows of 32 tokens (the rest is dropped): 24 windows -> 768 tokens
     assert load_fit(fit).info.tokens == 768 and load_fit(fit).info.cut == 2
     out = tmp_path / "engine"
@@ -98,3 +107,21 @@ def test_prune_ratio_takes_a_fraction_exactly():
     assert _ratio("0.25") == 0.25 and _ratio(" 2/5 ") == 0.4
     with pytest.raises(argparse.ArgumentTypeError, match="a number or a fraction such as 1/3, got 'a/b'"):
         _ratio("a/b")
+
+
+def test_export_in_a_log_prints_each_step_with_the_seconds_so_far(tiny_folder, tmp_path, capsys):
+    """stderr not a terminal (capsys; CI, nohup, a notebook): a line as each step begins and one at the end;
+    the default export printed nothing there before (tqdm(disable=None)). The fit's lines inside its step:
+    test_cut_auto_with_a_budget_takes_analyze_recommendation_and_records_it."""
+    from popcompile.config import PopConfig
+    from popcompile.driver import steps
+    from popcompile.exporters.targets import TARGETS
+
+    assert main(["export", str(tiny_folder), "--out", str(tmp_path / "engine"), "--cut", "3",
+                 "--max-seq", "64", "--kv-calibration", "none", "--min-prompt-tokens", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    names = steps(PopConfig(cut=3, kv_calibration="none", min_prompt_tokens=0), TARGETS["onnx"]())
+    begun = [line for line in err if re.fullmatch(r"export \d+/\d+: .+, \d+ s", line)]
+    assert [line.rsplit(", ", 1)[0] for line in begun] == [f"export {i}/{len(names)}: {name}"
+                                                          for i, name in enumerate(names, 1)]
+    assert re.fullmatch(rf"export: done, {len(names)} steps in \d+ s", err[-1]), err

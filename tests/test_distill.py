@@ -245,7 +245,7 @@ def fails(capsys, argv: list, culprit: str, within_s: float = 1.0) -> str:
     (["--method", "distill", "--lr", "nan"], "--lr nan"),
     (["--method", "distill", "--seed", "-2"], "--seed -2"),
     (["--method", "distill", "--seq-len", "1"], "--seq-len 1"),
-    (["--steps", "10", "--lr", "1e-3"], "--steps, --lr apply to --method distill only"),
+    (["--method", "ridge", "--steps", "10", "--lr", "1e-3"], "--steps, --lr apply to --method distill only"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_distill_options_fail_before_the_model_loads(hf, tmp_path, capsys, args, culprit):
     fails(capsys, ["calibrate", hf, "--out", tmp_path / "kv.safetensors", *args], culprit)
@@ -260,23 +260,24 @@ def test_too_little_text_for_a_held_out_split_is_one_line(hf, tmp_path, capsys, 
     fails(capsys, ["calibrate", hf, "--out", out, "--method", "distill", "--text", corpus, "--cut", "3",
                    "--seq-len", "64"], "cut=3 of 4 layers leaves no K/V to fit", within_s=30)
     # the ridge fit too: at cut L-1 it used to write a fit with no layer in it
-    fails(capsys, ["calibrate", hf, "--out", out, "--text", corpus, "--cut", "3"],
+    fails(capsys, ["calibrate", hf, "--out", out, "--method", "ridge", "--text", corpus, "--cut", "3"],
           "cut=3 of 4 layers leaves no K/V to fit", within_s=30)
     assert not out.exists()
     assert not out.exists()
 
 
 def test_calibrate_distill_writes_a_distilled_fit(hf, tmp_path, capsys, corpus):
+    """On a text model the default (auto, export's) distils: the user's own text gets POP++ as export's
+    built-in text does; --method ridge is POP+."""
     out = tmp_path / "kv.safetensors"
     assert main(["calibrate", str(hf), "--out", str(out), "--cut", "2", "--seq-len", "64",
-                 "--text", str(corpus),
-                 "--method", "distill", "--steps", "6", "--lr", "1e-3", "--seed", "3"]) == 0
+                 "--text", str(corpus), "--steps", "6", "--lr", "1e-3", "--seed", "3"]) == 0
     printed = capsys.readouterr().out
     fit = load_fit(out)
     assert fit.info.method == "distill" and fit.info.cut == 2 and set(fit.weights) == {3}
-    assert "distilled 6 steps, held-out matched prefix" in printed
+    assert printed.startswith(f"{out}: POP++ K/V projections") and "distilled 6 steps, held-out" in printed
     ridge = tmp_path / "ridge.safetensors"
     assert main(["calibrate", str(hf), "--out", str(ridge), "--cut", "2", "--seq-len", "64",
-                 "--text", str(corpus)]) == 0
+                 "--text", str(corpus), "--method", "ridge"]) == 0
     assert (load_fit(ridge).info.method == "ridge"
             and load_fit(ridge).info.corpus_sha256 == fit.info.corpus_sha256)

@@ -118,6 +118,30 @@ def test_cli_scores_an_engine_folder(folder, tmp_path, capsys):
     assert (out / "quality.png").is_file() and f"(engine {folder}" in capsys.readouterr().out
 
 
+def test_cli_scores_the_users_own_text(folder, session, tmp_path, capsys):
+    """eval --text FILE on an engine folder: windows of the file's text are the continuation documents."""
+    words = " ".join(f"t{w}" for w in np.random.default_rng(5).integers(0, 94, 70))
+    (tmp_path / "mine.txt").write_text(words)
+    out = tmp_path / "out"
+    assert main(["eval", str(folder), "--text", str(tmp_path / "mine.txt"), "--prefix-len", "20",
+                 "--cont-len", "8", "--threads", "1", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    cont = results["tasks"]["continuation"]
+    assert list(results["tasks"]) == ["continuation"] and results["continuation_text"] == [str(tmp_path /
+                                                                                              "mine.txt")]
+    assert cont["names"] == [f"{tmp_path / 'mine.txt'}@{start}" for start in (0, 28)]  # 70 words: 2 windows
+    docs, _ = eval_data.text_documents(((str(tmp_path / "mine.txt"), (words,)),),
+                                       eval_engine.EvalTokenizer(session.tokenizer), 20, 8)
+    names = ["full", "pop"]
+    logits = lambda name, prefix, target: torch.from_numpy(eval_engine.continuation_logits(
+        eval_engine.EngineRun(session), prefix.numpy(), target.numpy(), eval_engine.ENGINE_VARIANTS[name]))
+    expected = scoring.score_continuations(docs, names, logits, 8)
+    for name in names:
+        for key, value in expected[name].items():
+            assert cont["variants"][name][key] == pytest.approx(value, abs=NLL_TOL), (name, key)
+    assert f"2 documents of {tmp_path / 'mine.txt'}" in capsys.readouterr().out
+
+
 def test_humaneval_runs_on_an_engine(folder, tmp_path):
     results = run.run_eval(str(folder), tmp_path, tasks=["humaneval"], limit=1, code_tokens=4,
                                 allow_code_exec=True, timeout=5.0, threads=1)

@@ -295,6 +295,46 @@ def test_documents_are_cropped_skipped_and_interleaved():
     assert len(corpus.stdlib_texts()) == 24
 
 
+def test_the_users_text_is_cut_into_windows_each_a_document():
+    """eval --text / --jsonl: each text cut into consecutive windows (the rest dropped), the files in turn; a
+    text shorter than a window is skipped; the tokenizer's own leading tokens start every window."""
+    class BosTokenizer(CharTokenizer):
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1] * add_special_tokens + super().__call__(text)["input_ids"]}
+
+    texts = (("a.txt", ("x" * 70,)), ("b.jsonl", ("y" * 30, "short", "z" * 29)))
+    docs, skipped = eval_data.text_documents(texts, CharTokenizer(), prefix_len=20, cont_len=10)
+    assert [d.name for d in docs] == ["a.txt@0", "b.jsonl:1@0", "a.txt@30"] and skipped == ["b.jsonl:2",
+                                                                                          "b.jsonl:3"]
+    assert docs[2].prefix + docs[2].continuation == tuple([ord("x") % 97] * 30)
+    assert docs[1].source == "b.jsonl"
+    bos, _ = eval_data.text_documents(texts, BosTokenizer(), prefix_len=20, cont_len=10, limit=2)
+    assert [d.name for d in bos] == ["a.txt@0", "b.jsonl:1@0"] and bos[0].prefix[:2] == (1, ord("x") % 97)
+    assert len(bos[0].prefix) == 20 and len(bos[0].continuation) == 10
+    assert eval_data.continuation_documents(CharTokenizer(), 20, 10, texts=texts)[0] == docs
+    with pytest.raises(ValueError, match="no document has 100 tokens"):
+        eval_data.text_documents(texts, CharTokenizer(), prefix_len=90, cont_len=10)
+
+
+def test_cli_text_makes_continuation_the_task_and_reads_the_files_first(monkeypatch, tmp_path, capsys):
+    seen = {}
+    monkeypatch.setattr(run, "run_eval", lambda model, out, config: seen.update(config=config) or {})
+    monkeypatch.setattr(report, "report", lambda results: "")
+    text, lines = tmp_path / "mine.txt", tmp_path / "mine.jsonl"
+    text.write_text("my own text")
+    lines.write_text('{"body": "one"}\n{"body": "two"}\n')
+    assert main(["eval", "m", "--text", str(text), "--jsonl", str(lines), "--jsonl-field", "body",
+                 "--out", str(tmp_path / "out")]) == 0
+    config = seen["config"]
+    assert config.tasks == ("continuation",) and config.texts == ((str(text), ("my own text",)),
+                                                                   (str(lines), ("one", "two")))
+    out = str(tmp_path / "o")
+    assert main(["eval", "m", "--text", str(text), "--tasks", "generation", "--out", out]) == 2
+    assert "add continuation to --tasks" in capsys.readouterr().err
+    assert main(["eval", "m", "--text", str(tmp_path / "none.txt"), "--out", out]) == 2
+    assert "cannot read --text" in capsys.readouterr().err
+
+
 def test_reports_and_plots(tmp_path):
     variants = {n: {"nll": 2.0 + i, "perplexity": math.exp(2.0 + i), "agreement": 1.0 - 0.1 * i,
                     "accuracy": 0.5, "kl_to_full": 0.1 * i} for i, n in enumerate(scoring.VARIANTS)}

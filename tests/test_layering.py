@@ -36,6 +36,7 @@ MAY_IMPORT = {
     "threshold": {"errors"},
     "cost": {"errors"},
     "stepmeter": set(),
+    "progress": set(),
     "engine": {"errors", "fsutil"},
     "ort_passes": {"engine"},
     "config": {"engine", "errors", "threshold"},
@@ -52,9 +53,9 @@ MAY_IMPORT = {
     "driver": {"config", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit", "passes", "quality",
                "runtime", "stepmeter", "threshold"},
     "measure": {"config", "cost", "driver", "engine", "errors", "frontend", "fsutil", "kvfit", "passes",
-                "quality", "reference", "runtime", "threshold"},
+                "progress", "quality", "reference", "runtime", "threshold"},
     "commands": {"config", "cost", "driver", "engine", "errors", "exporters", "frontend", "fsutil", "kvfit",
-                 "measure", "runtime", "threshold"},
+                 "measure", "progress", "runtime", "threshold"},
     "cli": {"commands", "errors"},
 }
 

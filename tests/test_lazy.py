@@ -141,7 +141,7 @@ def test_calibrate_streams_a_folders_weights_and_fits_what_the_loaded_model_fits
     text = tmp_path / "domain.txt"
     text.write_text(" ".join(f"t{(i * 7) % 90}" for i in range(600)))
     cli("calibrate", folder, "--out", tmp_path / "kv.safetensors", "--cut", CUT, "--text", text,
-        "--seq-len", 32, "--device", "cpu")
+        "--seq-len", 32, "--device", "cpu", "--method", "ridge")
     got = load_fit(tmp_path / "kv.safetensors")
     whole = load_model(str(folder))
     docs = [whole.tokenizer(text.read_text()).input_ids]

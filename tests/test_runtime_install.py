@@ -67,7 +67,7 @@ def test_a_compile_command_names_the_extra_it_needs(runtime_venv, tmp_path, comm
     done = subprocess.run([runtime_venv / "bin" / "popcompile", *command], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 3 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"pip install 'popcompile[{extra}]'" in lines[0], lines[0]
     assert list(tmp_path.iterdir()) == []
 

@@ -7,7 +7,9 @@ runs.
 """
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -123,8 +125,8 @@ def test_tensorrt_deploy(tiny_folder, tmp_path):
         assert done.returncode == 0, done.stderr
         assert re.fullmatch(r"pop prefill, first token after [\d.]+ ms: ('.*'|\".*\")\n",
                             done.stdout), done.stdout
-    else:  # stops at once, one line naming what is missing, nothing written
-        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    else:  # stops at once, one line naming what is missing, nothing written; 3: a skip, not a mistake
+        assert done.returncode == 3 and len(done.stderr.strip().splitlines()) == 1
         assert "NVIDIA GPU" in done.stderr and not out.exists()
 
 
@@ -177,3 +179,112 @@ def test_vlm_compiles_a_qwen3_vl_folder_and_answers_about_images(tmp_path):
     assert (out / "vision.onnx").is_file()
     missing = run_sample("vlm.py", "--out", tmp_path / "none", "--image", tmp_path / "a.png")
     assert missing.returncode == 2 and "holds no engine: give --model" in missing.stderr
+
+
+# --- the samples' --help against the code's defaults ----------------------------------------------
+
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+
+def sample_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser samples/NAME's main() builds, stopped at parse_args: nothing else of main runs."""
+    spec = importlib.util.spec_from_file_location(f"sample_{name.removesuffix('.py')}", SAMPLES / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def stop(parser, *args, **kwargs):
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(_Parsed) as parsed:
+        module.main([])
+    monkeypatch.undo()
+    return parsed.value.parser
+
+
+def library_defaults(sample: str) -> dict[str, object]:
+    """dest -> the default of the library call the sample's option feeds (the sample must not differ)."""
+    from popcompile import PopConfig, TrtBuildConfig, dynamo
+
+    if sample == "torch_compile.py":
+        return {"min_prompt_tokens": dynamo.MIN_PROMPT_TOKENS}
+    config = PopConfig()
+    return {"kv_calibration": str(config.kv_calibration), "min_prompt_tokens": config.min_prompt_tokens,
+            "max_seq": config.max_seq, "precision": TrtBuildConfig().precision}
+
+
+@pytest.fixture(scope="module")
+def auto_fit_names() -> dict[str, str]:
+    """"text" / "vision-language" -> the fit kv_calibration auto gives such a model (kvfit.fit.fit_method),
+    named as `popcompile info` names it (POP+, POP++)."""
+    from tiny import tiny_model, tiny_vlm
+
+    from popcompile.kvfit.fit import fit_method
+
+    return {kind: FIT_NAME[fit_method(model, "auto")]
+            for kind, model in (("text", tiny_model("llama")), ("vision-language", tiny_vlm()))}
+
+
+def _fit_names() -> dict[str, str]:
+    from popcompile.commands.info import FIT_NAMES
+
+    return {"none": "POP", **{method: name.split()[0] for method, name in FIT_NAMES.items()}}
+
+
+FIT_NAME = _fit_names()
+
+
+def stale_help(parser: argparse.ArgumentParser, defaults: dict, auto_fits: dict[str, str]) -> list[str]:
+    """What ``parser``'s options say that the code does not do: an option feeding a library call whose
+    default differs from that call's (``defaults``); "X (default" where X, one of the option's values (its
+    choices; kv_calibration's modes), is not the default;
+    min(N, model limit) where N is not engine.kv.DEFAULT_MAX_SEQ; a kv_calibration mode named with another
+    fit than it gives (auto: per kind of model, ``auto_fits``)."""
+    from popcompile.config import KV_MODES
+    from popcompile.engine.kv import DEFAULT_MAX_SEQ
+
+    problems = []
+    for action in parser._actions:
+        text, flag = " ".join((action.help or "").split()), "/".join(action.option_strings)
+        if action.dest in defaults and action.default != defaults[action.dest]:
+            problems.append(f"{flag} defaults to {action.default!r}, the code to {defaults[action.dest]!r}")
+        modes = KV_MODES if action.dest == "kv_calibration" else ()
+        values = {str(v) for v in action.choices or ()} | set(modes)
+        problems += [f"{flag}: help says the default is {named}, it is {action.default}"
+                     for named in re.findall(r"([\w.+-]+) \(default\b", text)
+                     if named in values and named != str(action.default)]
+        problems += [f"{flag}: help says min({cap}, model limit), the code min({DEFAULT_MAX_SEQ}, ...)"
+                     for cap in re.findall(r"min\((\d+), model limit\)", text) if int(cap) != DEFAULT_MAX_SEQ]
+        if action.dest != "kv_calibration":
+            continue
+        modes = dict(re.findall(r"\b(auto|ridge|distill|none) \(([^)]*)\)", text))
+        per_kind = re.findall(r"(POP\+*) on an? (text|vision-language) model", modes.pop("auto", ""))
+        if not per_kind:
+            problems.append(f"{flag}: help does not say which fit auto gives (POP... on a text model)")
+        problems += [f"{flag}: help says auto gives {name} on a {kind} model, the code {auto_fits[kind]}"
+                     for name, kind in per_kind if name != auto_fits[kind]]
+        problems += [f"{flag}: help names {mode} {inside!r}, the code gives {FIT_NAME[mode]}"
+                     for mode, inside in modes.items() if re.findall(r"POP\+*", inside) != [FIT_NAME[mode]]]
+    return problems
+
+
+@pytest.mark.parametrize("sample", sorted(p.name for p in SAMPLES.glob("*.py")))
+def test_sample_help_names_the_defaults_the_code_has(sample, monkeypatch, auto_fit_names):
+    parser = sample_parser(sample, monkeypatch)
+    assert stale_help(parser, library_defaults(sample), auto_fit_names) == []
+
+
+def test_stale_help_catches_what_the_samples_once_said(auto_fit_names):
+    """auto called POP+ (the text default is POP++), a default the option does not have, another cap."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-calibration", default="auto", help="auto (POP+), none (the paper's POP)")
+    parser.add_argument("--mode", default="full", choices=["pop", "full"], help="pop (default) or full")
+    parser.add_argument("--max-seq", type=int, help="KV buffer length (default: min(2048, model limit))")
+    old = argparse.ArgumentParser()
+    old.add_argument("--kv-calibration", default="auto", help="auto (default: POP+ on a text model)")
+    problems = stale_help(parser, {"kv_calibration": "auto"}, auto_fit_names)
+    assert len(problems) == 3 and "which fit auto gives" in problems[0], problems
+    assert stale_help(old, {}, auto_fit_names) == [
+        "--kv-calibration: help says auto gives POP+ on a text model, the code POP++"]

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from cli_lines import error_lines
 from PIL import Image
 from tiny import tiny_vlm
 from tiny_engine import tiny_vl_engine, tiny_vl_folder
@@ -155,7 +156,7 @@ def test_cli_exports_a_vision_language_model_folder_and_refuses_a_low_cut(tmp_pa
     assert main(["export", str(folder), "--out", str(tmp_path / "low"), "--cut", "1",
                  "--kv-calibration", "none"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "below qwen3_vl's deepstack layers" in err and "--cut 2" in err and len(err.splitlines()) == 1
+    assert "below qwen3_vl's deepstack layers" in err and "--cut 2" in err and len(error_lines(err)) == 1
     assert not (tmp_path / "low").exists()
     assert main(["export", str(folder), "--out", str(tmp_path / "engine"), "--cut", "2", "--kv-calibration",
                  "none", "--max-seq", "96", "--min-prompt-tokens", "0", "--json"]) == 0

@@ -5,11 +5,11 @@ one dataclass decides them (the help texts name the same numbers; a test keeps t
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from ..errors import OutputError
 from ..fsutil import check_destination
+from ..progress import progress_bar
 from .common import add_corpus_options, add_model_argument, precheck_model, quiet_libraries, user_sources
 
 CONFIG_OPTIONS = ("samples", "context_len", "gen_len", "batch_size", "budget")
@@ -54,8 +54,6 @@ def model_folder(loaded) -> str | None:
 
 
 def cmd_analyze(args) -> None:
-    from tqdm import tqdm
-
     from ..frontend.models import load_model
     from ..measure.analyze import REPORT_JSON, REPORT_PNG, format_table, run_analyze, write_outputs
 
@@ -70,7 +68,7 @@ def cmd_analyze(args) -> None:
     sources = user_sources(args)
     quiet_libraries()
     loaded = load_model(args.model, revision=args.revision)
-    with tqdm(desc="analyze", unit="seq", file=sys.stderr, disable=None) as bar:
+    with progress_bar(desc="analyze", unit="seq") as bar:  # a bar on a terminal, a line per 10% in a log
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done)

@@ -6,12 +6,12 @@ Also the pieces the export and run commands use for TensorRT: ``add_build_option
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..exporters.tensorrt import BUILD_STEPS, PRECISIONS, TrtBuildConfig
+from ..exporters.tensorrt import BUILD_STEPS, TrtBuildConfig
 from ..runtime import RUNTIMES
+from .common import add_precision_option
 
 
 def register(sub) -> None:
@@ -27,11 +27,17 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_build_trt)
 
 
+#: the CLI's precision names (commands.common's one vocabulary) -> TrtBuildConfig's (exporters.tensorrt)
+TRT_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
 def add_build_options(parser) -> None:
     """TensorRT build options, shared by `build-trt` and `export --target tensorrt`."""
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                        help="fp32 (strongly typed, TF32 off: the CPU's numbers), fp16 or bf16 (TensorRT may "
-                             "run layers at that precision; default bf16: fp16 can overflow in RMSNorm)")
+    add_precision_option(parser, "--precision", list(TRT_PRECISION),
+                         default=_cli_precision(TrtBuildConfig.precision),
+                         help="float32 (strongly typed, TF32 off: the CPU's numbers), float16 or bfloat16 "
+                              "(TensorRT may run layers at that precision; default "
+                              f"{_cli_precision(TrtBuildConfig.precision)}: float16 can overflow in RMSNorm)")
     parser.add_argument("--workspace-gb", type=float, default=4.0,
                         help="GPU memory TensorRT may use for layer workspace while building and running "
                              "(default 4)")
@@ -42,17 +48,22 @@ def add_build_options(parser) -> None:
 
 
 def build_config(args) -> TrtBuildConfig:
-    return TrtBuildConfig(precision=args.precision, workspace_gb=args.workspace_gb, opt_seq=args.opt_seq,
-                          max_batch=args.max_batch)
+    return TrtBuildConfig(precision=TRT_PRECISION[args.precision], workspace_gb=args.workspace_gb,
+                          opt_seq=args.opt_seq, max_batch=args.max_batch)
+
+
+def _cli_precision(trt: str) -> str:
+    """TrtBuildConfig's precision in the CLI's vocabulary (bf16 -> bfloat16)."""
+    return {short: name for name, short in TRT_PRECISION.items()}.get(trt, trt)
 
 
 def build(folder: Path, config: TrtBuildConfig, *, force: bool):
-    """build_engines with a progress bar on stderr; returns the manifest's new tensorrt section."""
-    from tqdm import tqdm
-
+    """build_engines with its progress on stderr (a bar on a terminal, a line per step in a log); returns the
+    manifest's new tensorrt section."""
     from ..exporters.tensorrt import build_engines
+    from ..progress import progress_bar
 
-    with tqdm(total=len(BUILD_STEPS), desc="build-trt", unit="step", file=sys.stderr, disable=None) as bar:
+    with progress_bar(len(BUILD_STEPS), "build-trt", "step") as bar:
         def progress(name: str) -> None:
             if bar.n or name != BUILD_STEPS[0]:
                 bar.update(1)
@@ -73,19 +84,22 @@ def summary(folder: Path, section) -> str:
                       for name, p in section.plans.items())
     names = {engine: [p["name"] for p in profiles] for engine, profiles in section.profiles.items()}
     return (f"{folder}: TensorRT {section.tensorrt_version} on {section.gpu} (compute capability "
-            f"{section.compute_capability}), {section.precision}, max batch {section.max_batch}\n"
+            f"{section.compute_capability}), {_cli_precision(section.precision)}, "
+            f"max batch {section.max_batch}\n"
             f"  plans: {plans}\n  profiles: prefill {names['prefill']}, decode {names['decode']}; "
             f"decode KV binding {section.decode_kv}\n"
             f"  run: popcompile run {folder} --runtime tensorrt --prompt \"...\"")
 
 
 def add_runtime_options(parser) -> None:
-    """`run --runtime {onnxruntime,tensorrt}` and the TensorRT runtime's options."""
+    """`run --runtime {onnxruntime,tensorrt}` and the TensorRT runtime's options (None unless given: the
+    session's defaults apply, and run refuses another runtime's flags)."""
     parser.add_argument("--runtime", choices=list(RUNTIMES), default="onnxruntime",
-                        help="onnxruntime (default; --provider picks CPU/CUDA/TensorRT EP) or tensorrt "
-                             "(the folder's TensorRT plans from `popcompile build-trt`; NVIDIA GPU)")
-    parser.add_argument("--kv-binding", choices=["auto", "static", "gather"], default="auto",
-                        help="TensorRT: how decode steps see the KV buffer (auto: static unless the model "
-                             "has sliding-window layers; see docs/tensorrt.md)")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="TensorRT: replay decode steps as a CUDA graph (static KV binding)")
+                        help="onnxruntime (default; --provider picks its device, cpu or cuda) or tensorrt "
+                             "(the folder's TensorRT plans from `popcompile build-trt`; NVIDIA GPU): the one "
+                             "way to run with TensorRT")
+    parser.add_argument("--kv-binding", choices=["auto", "static", "gather"],
+                        help="--runtime tensorrt: how decode steps see the KV buffer (default auto: static "
+                             "unless the model has sliding-window layers; see docs/tensorrt.md)")
+    parser.add_argument("--cuda-graph", action="store_true", default=None,
+                        help="--runtime tensorrt: replay decode steps as a CUDA graph (static KV binding)")

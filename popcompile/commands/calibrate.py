@@ -1,5 +1,6 @@
-"""``popcompile calibrate``: POP+ K/V projections for the pruned layers, closed form (ridge, default) or
-distilled on the output from the ridge fit (distill, POP++: popcompile/kvfit/distill.py)."""
+"""``popcompile calibrate``: K/V projections for the pruned layers, closed form (ridge, POP+) or distilled
+on the output from the ridge fit (distill, POP++: popcompile/kvfit/distill.py). The default, auto, is
+export's: ``kvfit.fit.fit_method`` decides (POP++ for a text model, POP+ for a vision-language model)."""
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,21 @@ from .common import (
     user_sources,
 )
 
+#: --method: auto (kvfit.fit.fit_method decides, as for export's --kv-calibration auto) or a method
+CALIBRATE_METHODS = ("auto", *FIT_METHODS)
+
 
 def register(sub) -> None:
     from ..config import DistillConfig, KVFitConfig
 
     fit, steps = KVFitConfig(), DistillConfig()
-    p = sub.add_parser("calibrate", help="fit POP+ K/V projections for the pruned layers (closed form)",
-                       description="Ridge-fit, for every pruned layer, k/v projections that map "
-                                   "input_norm(h_cut) to the K/V the full model makes; write them as "
-                                   "safetensors + JSON.")
+    p = sub.add_parser("calibrate", help="fit the pruned layers' K/V projections on your own text (POP++ or "
+                                         "POP+)",
+                       description="Fit, for every pruned layer, k/v projections that map input_norm(h_cut) "
+                                   "to the K/V the full model makes (ridge, POP+), then, for a text model "
+                                   "by default, train them on the full model's greedy tokens (distill, "
+                                   "POP++); write them as safetensors + JSON for `export --kv-calibration "
+                                   "FILE`.")
     add_model_argument(p)
     p.add_argument("--out", required=True, type=Path,
                    help="output .safetensors file (the fit's details are in its metadata; nothing else is "
@@ -44,14 +51,16 @@ def register(sub) -> None:
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="fit a bias for every k/v projection (where the model has none: one Add per refitted "
                         "layer in the prefill graph); --no-bias: only where the model's projection has one. "
-                        "Default: off for --method ridge (it lowered greedy chat agreement, "
-                        "docs/results.md), on for distill")
-    p.add_argument("--method", choices=FIT_METHODS, default=fit.method,
-                   help="ridge: closed-form fit to the full model's K/V (default); distill: start from it, "
+                        "Default: off for ridge (it lowered greedy chat agreement, docs/results.md), on for "
+                        "distill")
+    p.add_argument("--method", choices=CALIBRATE_METHODS, default="auto",
+                   help="auto (default: export's --kv-calibration auto, the best fit the model has: distill "
+                        "for a text model, ridge for a vision-language model); ridge (POP+): closed-form fit "
+                        "to the full model's K/V; distill (POP++): start from it, "
                         f"then train on KL(full || POP) of the first {steps.continuation} tokens the full "
                         "model generates after each window (the first one weighted "
                         f"{steps.boundary_weight:g}x), keeping the weights with the longest greedy "
-                        "agreement on held-out windows")
+                        "agreement on held-out windows (minutes)")
     p.add_argument("--steps", type=int,
                    help=f"distill: Adam steps at most, one window each (default {steps.steps})")
     p.add_argument("--lr", type=float, help=f"distill: Adam learning rate (default {steps.lr:g})")
@@ -67,7 +76,7 @@ def cmd_calibrate(args) -> None:
     check_range("--max-tokens", args.max_tokens, 1)
     check_cut_choice(args.cut, args.prune_ratio)
     check_range("--ridge", args.ridge, 0.0)
-    config = fit_config(args)
+    config = fit_config(args)  # auto's method is checked again once the model says which it is
     check_output_file(args.out, args.force)
     precheck_model(args.model)
     from ..kvfit.budget import resolve_device
@@ -78,7 +87,7 @@ def cmd_calibrate(args) -> None:
     from ..frontend.vision import check_cut as check_vision_cut
     from ..kvfit.calibrate import save_fit
     from ..kvfit.distill import check_cut
-    from ..kvfit.fit import check_method
+    from ..kvfit.fit import check_method, fit_method
 
     sources = user_sources(args)  # before the model loads: a bad file fails in a second
     quiet_libraries()
@@ -87,27 +96,35 @@ def cmd_calibrate(args) -> None:
     cut = resolve_cut(layers, cut=args.cut, prune_ratio=args.prune_ratio)
     check_cut(cut, layers)  # before minutes of fitting
     check_vision_cut(loaded.model.config, cut)
+    config = fit_config(args, fit_method(loaded.model, args.method))  # auto: the one rule export follows
     check_method(loaded.model, config)
     batches = calibration_batches(args, loaded, sources, config)
     fit, note = fitted(loaded.model, batches, cut, config, lazy=loaded.lazy)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
-    print(f"{args.out}: K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
+    from .info import FIT_NAMES
+
+    name = FIT_NAMES.get(fit.info.method, fit.info.method).split()[0]  # what ran: auto's choice, a fallback
+    print(f"{args.out}: {name} K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
           f"{fit.info.tokens} tokens (ridge {fit.info.ridge}{note})")
 
 
-def fit_config(args):
-    """The KVFitConfig of the flags; ConfigError for bad or misplaced values (before the model loads)."""
+def fit_config(args, method: str | None = None):
+    """The KVFitConfig of the flags for ``method`` (default --method; auto, before the model says which
+    method it is, checks what every method shares); ConfigError for bad or misplaced values."""
     from ..config import DistillConfig, KVFitConfig
 
+    method = method or args.method
     given = {name: value for name, value in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed))
              if value is not None}
-    if args.method == "ridge" and given:
-        raise ConfigError(f"{', '.join(f'--{name}' for name in given)} apply to --method distill only: add "
-                          "--method distill or drop them")
-    config = KVFitConfig(method=args.method, ridge=args.ridge, bias=args.bias, seq_len=args.seq_len,
-                         max_tokens=args.max_tokens, distill=DistillConfig(**given), **fit_options(args))
-    if config.method == "distill" and args.seq_len < 2:
+    if method == "ridge" and given:
+        why = "" if args.method == "ridge" else " (auto fits ridge for a vision-language model)"
+        raise ConfigError(f"{', '.join(f'--{name}' for name in given)} apply to --method distill only{why}: "
+                          "add --method distill or drop them")
+    config = KVFitConfig(method="ridge" if method == "auto" else method, ridge=args.ridge, bias=args.bias,
+                         seq_len=args.seq_len, max_tokens=args.max_tokens, distill=DistillConfig(**given),
+                         **fit_options(args))
+    if method == "distill" and args.seq_len < 2:
         raise ConfigError(f"--seq-len {args.seq_len} leaves no prompt token to prune for --method distill: "
                           "use --seq-len >= 2")
     return config

@@ -11,7 +11,7 @@ from ..errors import ConfigError, EnvironmentUnavailable, InputError, ModelError
 
 
 class CliError(ConfigError):
-    """A bad invocation: printed as one line, exit code 2."""
+    """A bad invocation: printed as one line, exit code 2 (cli.EXIT_USER_ERROR)."""
 
 
 def require_extras(command: str) -> None:
@@ -59,6 +59,40 @@ def add_cut_options(parser, *, allow_auto: bool = False) -> None:
     cut.add_argument("--prune-ratio", type=_ratio, metavar="{R,A/B}",
                      help=f"fraction of layers to prune from the top, a number or a fraction (cut = L - "
                           f"floor(L*R); {paper})")
+
+
+#: every precision flag's one vocabulary (export --dtype; --precision of build-trt and of export --target
+#: tensorrt): the names the manifest and `popcompile info` print. The short spellings are aliases.
+PRECISION_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+#: --provider: onnxruntime's devices (runtime.ort.PROVIDERS but tensorrt: TensorRT is one switch, `run
+#: --runtime tensorrt`; tests/test_adversarial_cli.py keeps the two in step)
+PROVIDERS = ("cpu", "cuda")
+
+
+def add_precision_option(parser, flag: str, choices, *, default: str | None, help: str) -> None:
+    """A precision flag in the one vocabulary (float32, float16, bfloat16; fp32/fp16/bf16 accepted)."""
+    aliases = ", ".join(short for short, name in PRECISION_ALIASES.items() if name in choices)
+    parser.add_argument(flag, type=precision_name, choices=choices, default=default,
+                        help=f"{help}; also spelled {aliases}")
+
+
+def precision_name(text: str) -> str:
+    """The one vocabulary's name of a precision spelling (fp16 -> float16); others as given, for argparse's
+    choices to refuse."""
+    return PRECISION_ALIASES.get(text.lower(), text.lower())
+
+
+def add_provider_option(parser, help: str) -> None:
+    """--provider {cpu,cuda}: onnxruntime's device (default None: cpu)."""
+    parser.add_argument("--provider", type=provider_name, choices=PROVIDERS, help=help)
+
+
+def provider_name(text: str) -> str:
+    if text == "tensorrt":
+        raise argparse.ArgumentTypeError(
+            "TensorRT has one switch, `popcompile run --runtime tensorrt` (the folder's plans from "
+            "`popcompile build-trt`); --provider picks onnxruntime's device: cpu or cuda")
+    return text
 
 
 def add_fit_options(parser) -> None:
@@ -167,10 +201,31 @@ def read_text(path: Path, what: str) -> str:
         raise InputError(f"{what} {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from None
 
 
-def add_corpus_options(p, verb: str) -> None:
-    """--text / --jsonl / --jsonl-field: the user's own text instead of the built-in corpus."""
+def jsonl_texts(text: str, field: str = "text") -> list[str]:
+    """Texts of a JSON-lines file: each line a JSON string or an object with a string ``field`` (blank lines
+    skipped). No torch: `run --prompts` reads these on a runtime-only install."""
+    texts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"JSONL line {number} is not JSON: {err.msg}") from None
+        value = item.get(field) if isinstance(item, dict) else item
+        if not isinstance(value, str):
+            raise InputError(f"JSONL line {number}: expected a string or an object with a string "
+                             f"{field!r} field")
+        texts.append(value)
+    return texts
+
+
+def add_corpus_options(p, verb: str, windows: str = "") -> None:
+    """--text / --jsonl / --jsonl-field: the user's own text instead of the built-in corpus (``windows``:
+    how the command reads it, said in --text's help)."""
     p.add_argument("--text", type=Path, action="append", default=[],
-                   help=f"{verb} on this text file instead of the built-in corpus (repeatable)")
+                   help=f"{verb} on this text file instead of the built-in corpus (repeatable)"
+                        + (f"; {windows}" if windows else ""))
     p.add_argument("--jsonl", type=Path, action="append", default=[],
                    help=f"{verb} on this JSON-lines file: one string, or object with --jsonl-field, per line "
                         "(repeatable)")
@@ -180,8 +235,6 @@ def add_corpus_options(p, verb: str) -> None:
 
 def user_sources(args) -> dict[str, list[str]] | None:
     """{file: texts} of --text and --jsonl, in the order given; None for the built-in corpus."""
-    from ..measure.analyze_samples import jsonl_texts
-
     sources: dict[str, list[str]] = {}
     for path in args.text:
         sources[str(path)] = [read_text(path, "--text")]

@@ -6,7 +6,14 @@ import sys
 from pathlib import Path
 
 from ..measure.eval.config import PROMPT_FORMATS, check_output_folder
-from .common import add_cut_options, add_model_argument, quiet_libraries
+from .common import (
+    add_corpus_options,
+    add_cut_options,
+    add_model_argument,
+    add_provider_option,
+    quiet_libraries,
+    user_sources,
+)
 
 
 def register(sub) -> None:
@@ -15,13 +22,15 @@ def register(sub) -> None:
         description="Score the variants (full, pop, pop-kvfit, pop-distill, pop-no-boundary, pop-no-kv, "
                     "shortgpt, and the seed paper's other baselines wanda (30% unstructured sparsity) and "
                     "slicegpt (25% of the hidden dimension sliced; not Gemma 3)) on the same real "
-                    "data: teacher-forced continuation of stdlib/HumanEval sources, greedy chat generations, "
-                    "HumanEval pass@1. Given an exported engine folder instead of a model, run the engine "
-                    "itself with onnxruntime: full (the decode graph on the whole prompt) and pop (its "
-                    "prefill graph at the exported cut); the ablations, --cut and --sweep need the model.")
+                    "data: teacher-forced continuation of stdlib/HumanEval sources (or of your own text: "
+                    "--text, --jsonl), greedy chat generations, HumanEval pass@1. Given an exported engine "
+                    "folder instead of a model, run the engine itself with onnxruntime: full (the decode "
+                    "graph on the whole prompt) and pop (its prefill graph at the exported cut); the "
+                    "ablations, --cut and --sweep need the model.")
     add_model_argument(p, also=", or an engine folder from `popcompile export`")
     p.add_argument("--tasks", help="comma list of continuation, generation, greedy, humaneval, chat "
-                                   "(default: continuation,generation; none with --sweep; greedy: the first "
+                                   "(default: continuation,generation; continuation with --text/--jsonl; "
+                                   "none with --sweep; greedy: the first "
                                    "generated token and the matched prefix vs full on 118 held-out prompts, "
                                    "with 95%% intervals; chat: three-turn conversations, POP with the cache "
                                    "carried across turns vs re-prefilled, a model only)")
@@ -29,6 +38,9 @@ def register(sub) -> None:
                                       "pop-distill distils the pruned K/V for its cut first: minutes on CPU; "
                                       "wanda and slicegpt calibrate on the built-in corpus first)")
     add_cut_options(p)
+    add_corpus_options(p, "score the continuation task (and --sweep)",
+                       windows="cut into windows of --prefix-len + --cont-len tokens, each a document; "
+                               "alone, continuation is the only default task")
     p.add_argument("--limit", type=int, help="documents / prompts / problems per task (default: all)")
     p.add_argument("--prefix-len", type=int, default=512, help="prefilled tokens per document (default 512)")
     p.add_argument("--cont-len", type=int, default=48, help="scored continuation tokens (default 48)")
@@ -52,8 +64,7 @@ def register(sub) -> None:
                         "timeout)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds per HumanEval test program (default 10)")
-    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"],
-                   help="onnxruntime provider for an engine folder (default cpu)")
+    add_provider_option(p, "onnxruntime's device for an engine folder: cpu (default) or cuda")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads for an engine folder "
                                                "(default: onnxruntime's, one per core)")
     p.add_argument("--out", required=True, type=Path, help="folder for results.json, quality.png, sweep.png")
@@ -63,12 +74,15 @@ def register(sub) -> None:
 
 
 def config_from_args(args):
-    """The EvalConfig of the parsed flags (validated there: bad values are one-line ConfigErrors)."""
+    """The EvalConfig of the parsed flags (validated there: bad values are one-line ConfigErrors); the
+    user's --text / --jsonl files are read here (a bad file fails in a second)."""
     from ..measure.eval.config import EvalConfig, parse_tasks
 
     variants = args.variants and tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    sources = user_sources(args)
     return EvalConfig(
-        tasks=parse_tasks(args.tasks, args.sweep), variants=variants or None, cut=args.cut,
+        tasks=parse_tasks(args.tasks, args.sweep, own_text=bool(sources)), variants=variants or None,
+        cut=args.cut, texts=tuple(sources.items()) if sources else None,
         prune_ratio=args.prune_ratio, limit=args.limit, prefix_len=args.prefix_len, cont_len=args.cont_len,
         gen_tokens=args.gen_tokens, greedy_tokens=args.greedy_tokens, code_tokens=args.code_tokens,
         batch_size=args.batch_size,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..config import ATTENTION_LOWERINGS, DTYPES, WEIGHT_FORMATS, PopConfig, QualityFloor
+from ..engine.kv import DEFAULT_MAX_SEQ
 from ..engine.manifest import BOUNDARIES
 from ..exporters.targets import TARGETS
 from ..fsutil import destination_lock
@@ -17,6 +18,7 @@ from .common import (
     add_cut_options,
     add_fit_options,
     add_model_argument,
+    add_precision_option,
     check_range,
     fit_options,
     precheck_model,
@@ -44,7 +46,9 @@ def register(sub) -> None:
                         "prefill importance the pruned layers may hold (stage-aware importance, "
                         "`popcompile analyze`)")
     p.add_argument("--max-seq", type=int,
-                   help="maximum tokens per sequence (default: min(4096, model limit))")
+                   help="the engine's context limit: prompt and generated tokens together, the KV buffer's "
+                        f"length (default: min({DEFAULT_MAX_SEQ}, model limit), the model's "
+                        "max_position_embeddings; `popcompile info` shows it)")
     p.add_argument("--kv-calibration", default=str(PopConfig().kv_calibration),
                    metavar="{auto,ridge,distill,none,FILE}",
                    help="refit the pruned layers' K/V projections, at no inference cost: distill (POP++: "
@@ -65,9 +69,9 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the manifest as JSON instead of a summary, with \"steps\": each step's wall "
                         "seconds and peak resident memory (each also printed to stderr as it ends)")
-    p.add_argument("--dtype", choices=DTYPES, default=PopConfig.dtype,
-                   help="ONNX graph precision (default float32; float16 needs --provider cuda or tensorrt to "
-                        "run)")
+    add_precision_option(p, "--dtype", DTYPES, default=PopConfig.dtype,
+                         help=f"ONNX graph precision (default {PopConfig.dtype}; a float16 engine runs with "
+                              "`run --provider cuda`)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="float",
                    help="weight format of the onnx target: float (default: the --dtype), int8 or int4 "
                         "(onnxruntime's MatMulNBits, weight-only: every matmul weight and the LM head in "
@@ -227,6 +231,7 @@ def _compile(args, config, target):
 
     from ..driver import compile, steps
     from ..frontend.models import load_model
+    from ..progress import progress_bar
     from .fitprogress import FitProgress
 
     quiet_libraries()
@@ -248,7 +253,7 @@ def _compile(args, config, target):
         cut, choice = choose_cut(loaded, budget=args.budget)
         config = replace(config, cut=cut, cut_choice=choice)
     names = steps(config, target)
-    with tqdm(total=len(names), desc="export", unit="step", file=sys.stderr, disable=None) as bar:
+    with progress_bar(len(names), "export", "step") as bar:  # a bar on a terminal, a line per step in a log
         def progress(name: str) -> None:
             if bar.n or name != names[0]:
                 bar.update(1)

@@ -6,10 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import InputError
 from . import build_trt
-from .common import CliError, check_range, read_text
+from .common import CliError, add_provider_option, check_range, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
+#: --prompts: prompts per generate call unless --batch-size says (the runtime's own maximum if lower:
+#: a TensorRT folder's max batch)
+DEFAULT_BATCH = 4
 
 #: the `run` flags each registered runtime takes (``runtime.RUNTIMES``'s names; ``--runtime`` chooses among
 #: them)
@@ -30,10 +34,23 @@ def register(sub) -> None:
     p.add_argument("--prompt-file", type=Path,
                    help="read the prompt from a file; with --prompt too, the file's "
                         "text comes first and --prompt (an instruction) after it")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="several prompts, generated as batches: one a line (blank lines skipped), or, in a "
+                        ".jsonl file, one JSON string or object a line (--prompts-field: its text). One "
+                        "result a prompt, in order; --json: one JSON object a line")
+    p.add_argument("--prompts-field", default="prompt",
+                   help="the text's field in --prompts .jsonl objects (default prompt)")
+    p.add_argument("--batch-size", type=int,
+                   help=f"with --prompts: prompts per generate call (default {DEFAULT_BATCH}, or the "
+                        "engine's max batch if lower: a TensorRT folder's); the KV buffer holds batch x "
+                        "max_seq rows, "
+                        "and a batch prefills with POP when its shortest prompt reaches min_prompt_tokens")
     p.add_argument("--image", action="append", default=[], type=Path, metavar="PATH",
                    help="an image for a vision-language engine (repeatable): each goes where the prompt "
                         "writes the model's image token, or all before the text")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (default 64); the prompt and these fit the engine's "
+                        "max_seq, its context limit (`popcompile info`: the KV layout's length)")
     p.add_argument("--greedy", action="store_true",
                    help="always take the most likely token, whatever generation_config.json says")
     p.add_argument("--temperature", type=float,
@@ -64,8 +81,10 @@ def register(sub) -> None:
     p.add_argument("--min-prompt-tokens", type=int, metavar="N",
                    help="prompts shorter than N prefill with the full model (default: the engine's, chosen "
                         "at export; 0: POP for every prompt)")
-    p.add_argument("--provider", default="cpu", help="onnxruntime execution provider: cpu, cuda or tensorrt")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: onnxruntime's choice)")
+    add_provider_option(p, "onnxruntime's device: cpu (default) or cuda (onnxruntime-gpu); TensorRT is "
+                           "--runtime tensorrt")
+    p.add_argument("--threads", type=int,
+                   help="onnxruntime's intra-op threads (default: onnxruntime's choice)")
     build_trt.add_runtime_options(p)
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the very first call, with the runtime's one-time start-up in it (default: one "
@@ -76,12 +95,24 @@ def register(sub) -> None:
 
 
 def open_session(args):
-    """The session `run` generates with: the runtime registered as ``--runtime``, given its flags."""
+    """The session `run` generates with: the runtime registered as ``--runtime``, given the flags of its that
+    the user gave (the session's defaults for the others)."""
     from ..runtime import open_session as open_runtime
 
     runtime = getattr(args, "runtime", "onnxruntime")
-    return open_runtime(args.engine, runtime,
-                        **{flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())})
+    given = {flag: getattr(args, flag) for flag in RUNTIME_FLAGS.get(runtime, ())}
+    return open_runtime(args.engine, runtime, **{flag: value for flag, value in given.items()
+                                                  if value is not None})
+
+
+def _check_runtime_flags(args) -> None:
+    """CliError for a flag of a runtime other than --runtime's (it would be ignored)."""
+    for runtime, flags in RUNTIME_FLAGS.items():
+        stray = [f"--{flag.replace('_', '-')}" for flag in flags
+                 if runtime != args.runtime and getattr(args, flag) is not None]
+        if stray:
+            raise CliError(f"{', '.join(stray)}: --runtime {runtime}'s, not {args.runtime}'s (ignored "
+                           f"there): drop {'it' if len(stray) == 1 else 'them'} or give --runtime {runtime}")
 
 
 def _sampling_options(args):
@@ -111,15 +142,15 @@ def cmd_run(args) -> None:
     if prompt is None:
         _converse(session, options, args)
         return
+    if isinstance(prompt, list):
+        _run_batches(session, prompt, options, args)
+        return
     # a template or tokenizer problem, images for a text engine: here, before any note
     ids = session.encode(prompt, args.chat, images=len(images))
     choice = resolve_sampling(session.tokenizer.generation_config, options,
                               str(args.engine / "generation_config.json"))
     sampling = choice.config(args.max_new_tokens, tuple(args.stop))
-    if choice.ignored:
-        print("note: generation_config.json sets "
-              f"{', '.join(f'{k}={v!r}' for k, v in choice.ignored.items())}, "
-              "which popcompile does not apply", file=sys.stderr)
+    _note_ignored(choice)
     modes = ("full", "pop") if args.compare else ("full",) if args.full else ("pop",)
     # onnxruntime's first run allocates arenas and sets kernels up: ~0.5 s on CPU, once per graph
     if args.warmup:
@@ -133,22 +164,93 @@ def cmd_run(args) -> None:
     if args.json:
         print(json.dumps({**result.to_dict(), "sampling": choice.to_dict()}))
         return
-    print(f"\n\n[{result.mode}, prefill {result.prefill}] TTFT {result.ttft_s * 1000:.1f} ms | prefill "
-          f"{result.prefill_tokens_per_s:.0f} tok/s ({len(result.prompt_token_ids)} tokens) | decode "
-          f"{result.decode_tokens_per_s:.1f} tok/s "
-          f"({len(result.token_ids)} tokens, {result.finish_reason}) | "
-          f"{_describe(choice)}{_below_note(result, session, args)}", file=sys.stderr)
+    print(f"\n\n{_stats(result, choice, session, args)}", file=sys.stderr)
 
 
-def _check_args(args) -> str | None:
-    """The prompt text (file first, then --prompt), None for a conversation (--chat alone); ConfigError/
-    InputError for bad options."""
+def _stats(result, choice, session, args, where: str = "") -> str:
+    """One line for stderr: the path, TTFT, prefill and decode speeds, the decoding."""
+    return (f"[{where}{result.mode}, prefill {result.prefill}] TTFT {result.ttft_s * 1000:.1f} ms | prefill "
+            f"{result.prefill_tokens_per_s:.0f} tok/s ({len(result.prompt_token_ids)} tokens) | decode "
+            f"{result.decode_tokens_per_s:.1f} tok/s "
+            f"({len(result.token_ids)} tokens, {result.finish_reason}) | "
+            f"{_describe(choice)}{_below_note(result, session, args)}")
+
+
+def _note_ignored(choice) -> None:
+    if choice.ignored:
+        print("note: generation_config.json sets "
+              f"{', '.join(f'{k}={v!r}' for k, v in choice.ignored.items())}, "
+              "which popcompile does not apply", file=sys.stderr)
+
+
+def _run_batches(session, prompts: list[str], options, args) -> None:
+    """`run --prompts`: the prompts in batches of --batch-size through ``session.generate``; one result a
+    prompt, in order, printed as each batch ends (--json: one object a line, with its index and prompt)."""
+    from ..runtime.defaults import resolve_sampling
+
+    ids = [session.encode(prompt, args.chat) for prompt in prompts]  # every prompt's problem before any work
+    choice = resolve_sampling(session.tokenizer.generation_config, options,
+                              str(args.engine / "generation_config.json"))
+    sampling = choice.config(args.max_new_tokens, tuple(args.stop))
+    _note_ignored(choice)
+    mode = "full" if args.full else "pop"
+    if args.warmup:
+        _warm_up(session, ids[0], (mode,))
+    size = args.batch_size or min(DEFAULT_BATCH, getattr(session, "max_batch", DEFAULT_BATCH))
+    for start in range(0, len(ids), size):
+        results = session.generate(ids[start:start + size], sampling, mode=mode,
+                                   min_prompt_tokens=args.min_prompt_tokens)
+        for index, (prompt, result) in enumerate(zip(prompts[start:start + size], results), start + 1):
+            if args.json:
+                print(json.dumps({"index": index, "prompt": prompt, **result.to_dict(),
+                                  "sampling": choice.to_dict()}), flush=True)
+                continue
+            head = " ".join(prompt.split())
+            print(f"--- {index}/{len(prompts)}: {head[:60]}{'...' if len(head) > 60 else ''}\n"
+                  f"{result.text}\n", flush=True)
+            print(_stats(result, choice, session, args, f"{index}/{len(prompts)}: "), file=sys.stderr)
+
+
+def read_prompts(path: Path, field: str) -> list[str]:
+    """--prompts: a .jsonl file's texts (a string or an object's ``field`` a line), else one prompt a line;
+    blank lines skipped; InputError for a file that holds none."""
+    from .common import jsonl_texts
+
+    text = read_text(path, "--prompts")
+    if path.suffix == ".jsonl":
+        try:
+            prompts = jsonl_texts(text, field)
+        except ValueError as err:
+            raise InputError(f"--prompts {path}: {err}") from None
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise InputError(f"--prompts {path} holds no prompt: give one a line")
+    return prompts
+
+
+def _check_args(args) -> str | list[str] | None:
+    """The prompt text (file first, then --prompt), the prompts of --prompts, None for a conversation (--chat
+    alone); ConfigError/InputError for bad options."""
     check_range("--threads", args.threads, 1)
+    _check_runtime_flags(args)
     check_range("--max-new-tokens", args.max_new_tokens, 1)
     check_range("--min-prompt-tokens", args.min_prompt_tokens, 0)
     check_range("--repeat", args.repeat, 1)
+    check_range("--batch-size", args.batch_size, 1)
     if args.repeat != 1 and not args.compare:
         raise CliError("--repeat times --compare's runs: use it with --compare")
+    if args.prompts is not None:
+        single = (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                  ("--image", args.image or None), ("--compare", args.compare or None))
+        given = [flag for flag, value in single if value is not None]
+        if given:
+            one = len(given) == 1
+            raise CliError(f"--prompts runs a file of prompts; {', '.join(given)} {'is' if one else 'are'} "
+                           f"for one prompt: drop {'it' if one else 'them'} or --prompts")
+        return read_prompts(args.prompts, args.prompts_field)
+    if args.batch_size is not None:
+        raise CliError("--batch-size sizes the batches of --prompts: use it with --prompts FILE")
     if args.image and args.prompt is None and args.prompt_file is None:
         raise CliError("--image goes with a prompt: give --prompt TEXT (a conversation on stdin takes no "
                        "images)")

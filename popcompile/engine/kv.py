@@ -25,6 +25,9 @@ from ..errors import ConfigError
 KV_DTYPES = ("float32", "float16", "bfloat16")
 #: bytes per element of the dtypes an engine's tensors take (the KV buffer's, the graphs' inputs)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+#: the KV buffer length (max_seq) of an export that names none: this, or the model's position limit where
+#: lower (frontend.capture.kv_layout); the help texts that state it read it from here
+DEFAULT_MAX_SEQ = 4096
 #: upper bounds of a sane layout: a manifest asking for more is damaged, not a model (4M tokens of context,
 #: 64k layers/heads/head_dim); the KV buffer itself is checked against memory when it is allocated
 LIMITS = {"num_layers": 1 << 16, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "max_seq": 1 << 22}

@@ -33,7 +33,7 @@ from torch.export import Dim, ExportedProgram
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..engine.kv import KVLayout
+from ..engine.kv import DEFAULT_MAX_SEQ, KVLayout
 from .arch import ArchSpec, arch_spec, attention_windows
 from .experts import experts_for_capture
 from .vision import VisionLanguageSpec, deepstack_layers, vision_spec
@@ -346,13 +346,13 @@ def attention_for_capture(model: torch.nn.Module) -> Iterator[None]:
 
 
 def kv_layout(model: torch.nn.Module, max_seq: int | None = None) -> KVLayout:
-    """The KV layout of a HF causal LM (a VLM: of its text decoder); max_seq defaults to min(4096, the
-    model's position limit)."""
+    """The KV layout of a HF causal LM (a VLM: of its text decoder); max_seq defaults to
+    min(engine.kv.DEFAULT_MAX_SEQ, the model's position limit)."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    limit = int(getattr(config, "max_position_embeddings", 4096) or 4096)
+    limit = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ) or DEFAULT_MAX_SEQ)
     if max_seq is None:
-        max_seq = min(4096, limit)
+        max_seq = min(DEFAULT_MAX_SEQ, limit)
     elif max_seq > limit:
         raise ValueError(f"max_seq={max_seq} exceeds the model's max_position_embeddings={limit}: "
                          "lower --max-seq")

@@ -46,7 +46,6 @@ from .analyze_samples import (  # noqa: F401 (the corpus moved there; its names 
     Samples,
     default_sources,
     humaneval_prompts,
-    jsonl_texts,
     stdlib_docstrings,
     token_windows,
 )

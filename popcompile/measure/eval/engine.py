@@ -155,12 +155,12 @@ def session_generate(session: Any, max_new_tokens: int) -> Callable[[str, list[i
 
 
 def _continuation_task(session: Any, tok: EvalTokenizer, names: list[str], limit: int | None, prefix_len: int,
-                       cont_len: int, batch_size: int | None) -> dict:
+                       cont_len: int, batch_size: int | None, texts=None) -> dict:
     if prefix_len + cont_len - 1 > session.layout.max_seq:
         raise ConfigError(f"--prefix-len {prefix_len} + --cont-len {cont_len} do not fit the engine's "
                           f"max length {session.layout.max_seq}: shorten them or re-export with a larger "
                           "--max-seq")
-    docs, skipped = eval_data.continuation_documents(tok, prefix_len, cont_len, limit)
+    docs, skipped = eval_data.continuation_documents(tok, prefix_len, cont_len, limit, texts)
     run = EngineRun(session)
     logits = lambda name, prefix, target: torch.from_numpy(
         continuation_logits(run, prefix.numpy(), target.numpy(), ENGINE_VARIANTS[name]))
@@ -220,10 +220,11 @@ def run_engine_eval(folder: str | Path, out: Path, c: EvalConfig) -> dict:
     session = open_session(Path(folder).expanduser(), "onnxruntime", provider=provider, threads=c.threads)
     tok, run = EvalTokenizer(session.tokenizer), EngineRun(session)
     results = _header(folder, session, names, c.prefix_len, c.cont_len, c.limit, provider)
+    results["continuation_text"] = [name for name, _ in c.texts] if c.texts else None  # None: built-in
     t = results["tasks"]
     if "continuation" in c.tasks:
         t["continuation"] = timed(lambda: _continuation_task(session, tok, names, c.limit, c.prefix_len,
-                                                              c.cont_len, c.batch_size))
+                                                              c.cont_len, c.batch_size, c.texts))
     if "generation" in c.tasks:
         generate = session_generate(session, c.gen_tokens)
         t["generation"] = timed(lambda: generation_task(tok, names, generate, c.limit, c.gen_tokens))

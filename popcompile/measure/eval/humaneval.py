@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from typing import Any, Callable
 
 import torch
 
 from ... import reference
 from ...kvfit.corpus import encode
+from ...progress import progress_bar
 from ...reference import Variant
 from . import data as eval_data
 from .config import CODE_EXEC_REFUSAL, PROMPT_FORMATS  # noqa: F401 (re-exported)
@@ -169,9 +169,8 @@ def complete_with(generate: GenerateUntil, name: str, tokenizer: Any, problem: d
 
 
 def _bar(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=None, leave=False)
+    """A bar on a terminal, a line per 10% in a log (progress.py)."""
+    return progress_bar(total, desc, leave=False)
 
 
 def humaneval_eval(model, tokenizer, problems: list[dict], variants: dict[str, Variant], *,

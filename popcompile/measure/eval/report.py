@@ -28,7 +28,9 @@ def _task_tables(t: dict, results: dict) -> list[str]:
     parts = []
     if "continuation" in t:
         c = t["continuation"]
-        parts.append(f"\ncontinuation: {c['documents']} documents, prefix {results['prefix_len']}, "
+        own = results.get("continuation_text")
+        source = f" of {', '.join(own)}" if own else ""
+        parts.append(f"\ncontinuation: {c['documents']} documents{source}, prefix {results['prefix_len']}, "
                      f"continuation {results['cont_len']} tokens")
         parts.append(format_table(["variant", "NLL", "PPL", "agree", "acc", "KL"], [
             [n, v["nll"], v["perplexity"], v["agreement"], v["accuracy"], v["kl_to_full"]]

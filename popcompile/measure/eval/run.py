@@ -29,6 +29,10 @@ the continuation task for ``pop`` and ``pop-kvfit`` (and ``pop-distill`` when na
 from L down to ceil(L/2) next to the FLOP bound of that cut (``sweep.py``, which also holds the cut
 choice ``choose_cut``).
 
+``--text`` / ``--jsonl`` (``EvalConfig.texts``): the continuation task and the sweep score windows of the
+user's own text instead of the built-in documents (``data.text_documents``; results.json's
+``continuation_text`` names the files); alone, they make continuation the only default task.
+
 Given an exported engine folder (it holds ``popcompile.json``) instead of a model, eval scores the engine
 itself with onnxruntime (``engine.py``): ``full`` (the decode graph on the whole prompt) and ``pop``
 (the engine's prefill graph at its exported cut, with its K/V calibration if any) on the same tasks, data,
@@ -112,7 +116,8 @@ def reference_eval(loaded: Any, model_name: str, c: EvalConfig) -> dict:
         "speedup_bound": speedup_bound(model.config.get_text_config(), c.prefix_len, cut),
         "variants": {n: describe(v) for n, v in variants.items()}, "limit": c.limit, "tasks": {},
     }
-    docs, skipped = (eval_data.continuation_documents(tok, c.prefix_len, c.cont_len, c.limit)
+    results["continuation_text"] = [name for name, _ in c.texts] if c.texts else None  # None: built-in
+    docs, skipped = (eval_data.continuation_documents(tok, c.prefix_len, c.cont_len, c.limit, c.texts)
                      if "continuation" in c.tasks or c.sweep else (None, None))
     t = results["tasks"]
     if "continuation" in c.tasks:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ import torch
 
 from ... import reference
 from ...errors import ConfigError
+from ...progress import progress_bar
 from ...reference import Variant
 from . import data as eval_data
 
@@ -212,9 +212,8 @@ def default_distill_fit(loaded, config: Any = None) -> Callable[[int], Any]:
 
 
 def _bar(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=None, leave=False)
+    """A bar on a terminal, a line per 10% in a log (progress.py)."""
+    return progress_bar(total, desc, leave=False)
 
 
 def num_layers(model) -> int:
