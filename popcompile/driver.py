@@ -148,6 +148,7 @@ def _load(c: Compilation) -> None:
         c.loaded = c.source
     c.owned = owned
     check_max_seq(c.loaded, c.config.max_seq)  # before the floor's search and the fits, minutes at scale
+    c.target.check_model(c.loaded)  # e.g. vLLM: a model the plugin does not serve
 
 
 def _loads_lazily(config: PopConfig, target: Target) -> bool:

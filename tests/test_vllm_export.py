@@ -25,7 +25,15 @@ from popcompile.errors import EngineError, EnvironmentUnavailable, ModelError, U
 from popcompile.exporters.vllm import pop_architecture
 from popcompile.kvfit.calibrate import load_fit
 from popcompile.threshold import FIXED_MIN_PROMPT_TOKENS
-from popcompile.vllm_plugin.settings import KV_WEIGHTS_FILE, VLLM_VERSION, PopSettings, check_vllm_version
+from popcompile.vllm_plugin.settings import (
+    KV_WEIGHTS_FILE,
+    MOE_FAMILIES,
+    UNSERVED_MOE,
+    VLLM_VERSION,
+    PopSettings,
+    check_served,
+    check_vllm_version,
+)
 
 LAYERS = 4
 
@@ -130,6 +138,68 @@ def test_an_architecture_without_a_pop_class_is_named():
     assert "LlamaForCausalLM" in str(err.value) and "--target onnx" in str(err.value)
     model.config.architectures = ["Qwen3ForCausalLM"]
     assert pop_architecture(SimpleNamespace(model=model)) == "PopQwen3ForCausalLM"
+
+
+@pytest.mark.parametrize("model_type, pop_class", [("qwen3_moe", "PopQwen3MoeForCausalLM"),
+                                                   ("mixtral", "PopMixtralForCausalLM")])
+def test_a_mixture_of_experts_gets_its_pop_class_and_keeps_its_weights(model_type, pop_class, tmp_path):
+    """tests_vllm/test_vllm_plugin.py serves these folders (test_moe_*)."""
+    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=LAYERS, max_position_embeddings=512)
+    config = export(hf, tmp_path / "served", "--kv-calibration", "none")
+    assert config["architectures"] == [pop_class] and config["popcompile"]["cut"] == 3
+    assert MOE_FAMILIES[pop_class][0] == model_type  # the plugin's check of what the folder's class serves
+    original, written = (load_file(hf / "model.safetensors"),
+                         load_file(tmp_path / "served" / "model.safetensors"))
+    assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
+    assert any(".experts." in name for name in written)
+
+
+def _unserved_moe(model_type: str, folder: Path) -> Path:
+    """A tiny random checkpoint of a mixture of experts the plugin does not serve, from transformers' own
+    classes."""
+    import transformers
+
+    classes = {"olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+               "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+               "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
+    config_cls, model_cls = classes[model_type]
+    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=32, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=128)
+    model_cls(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model_type", sorted(UNSERVED_MOE))
+def test_a_mixture_of_experts_the_plugin_does_not_serve_is_refused_by_name(model_type, tmp_path, capsys):
+    """OLMoE, Qwen2-MoE (shared experts), gpt-oss: one line naming the model type, before anything is
+    written; the plugin refuses a POP folder of one where it loads (check_served; tests_vllm: test_moe_*)."""
+    hf = _unserved_moe(model_type, tmp_path / "hf")
+    fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", "--cut", "1",
+                   "--kv-calibration", "none"], repr(model_type))
+    assert not (tmp_path / "served").exists()
+    with pytest.raises(UnsupportedModelError, match=f"model_type {model_type!r}: a mixture of experts "
+                                                    "popcompile's vLLM plugin does not serve"):
+        check_served("PopQwen3MoeForCausalLM", SimpleNamespace(model_type=model_type))
+
+
+@pytest.mark.parametrize("model_type, field, value", [("qwen3_moe", "shared_expert_intermediate_size", 32),
+                                                      ("qwen3_moe", "hidden_act", "gelu"),
+                                                      ("mixtral", "hidden_act", "gelu")])
+def test_a_moe_checkpoint_vllm_would_serve_otherwise_is_refused(model_type, field, value, tmp_path, capsys):
+    """vLLM's Qwen3-MoE and Mixtral classes run SiLU experts whatever hidden_act says, and its Qwen3-MoE adds
+    a shared expert when the config sizes one (transformers' has none): such a checkpoint is refused by the
+    exporter, before the fit, rather than served with other experts than the reference's."""
+    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=2, max_position_embeddings=512, **{field: value})
+    line = fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", "--cut", "1"],
+                 f"with {field}={value!r}")
+    assert "not supported" in line and not (tmp_path / "served").exists()
+    pop_class = next(pop for pop, (family, _) in MOE_FAMILIES.items() if family == model_type)
+    with pytest.raises(UnsupportedModelError, match=f"serves model_type '{model_type}', and this config.json "
+                                                    "has 'llama'"):
+        check_served(pop_class, SimpleNamespace(model_type="llama"))
+    check_served(pop_class, SimpleNamespace(model_type=model_type, hidden_act="silu"))  # as exported
 
 
 @pytest.mark.parametrize("entry, culprit", [

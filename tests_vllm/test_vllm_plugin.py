@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from serving import CUT, LAYERS, engine, export, load, start
+from serving import CUT, LAYERS, calibrate, engine, export, load, start
 from tokenizers import Tokenizer
 
 from popcompile.kvfit.calibrate import load_fit
@@ -41,7 +41,9 @@ COVERED = {"LlamaForCausalLM": "test_pop_equals_the_reference_batched_and_in_chu
            "MistralForCausalLM": "test_tiny_architecture_equals_the_reference[mistral]",
            "Qwen2ForCausalLM": "test_tiny_architecture_equals_the_reference[qwen2]",
            "Qwen3ForCausalLM": "test_tiny_architecture_equals_the_reference[qwen3]",
-           "Gemma3ForCausalLM": "test_gemma3_equals_the_reference_across_its_sliding_window"}
+           "Gemma3ForCausalLM": "test_gemma3_equals_the_reference_across_its_sliding_window",
+           "Qwen3MoeForCausalLM": "test_moe_pop_equals_the_reference_and_skips_the_pruned_experts[qwen3_moe]",
+           "MixtralForCausalLM": "test_moe_pop_equals_the_reference_and_skips_the_pruned_experts[mixtral]"}
 
 
 def test_every_served_architecture_has_a_test():
@@ -134,8 +136,11 @@ def engines(request, folders, prompts, tmp_path_factory) -> dict[str, Future]:
     references, then waits for its engines' results (serving.Run)."""
     selected = {getattr(item, "originalname", item.name) for item in request.session.items}
     root = tmp_path_factory.mktemp("engines")
-    return {name: start(engine, root / name, folders[folder], jobs(prompts), NEW, **args)
-            for name, (folder, jobs, args, users) in ENGINES.items() if users & selected}
+    started = {name: start(engine, root / name, folders[folder], jobs(prompts), NEW, **args)
+               for name, (folder, jobs, args, users) in ENGINES.items() if users & selected}
+    if any(name.startswith("test_moe_") for name in selected):
+        request.getfixturevalue("moe")  # its engine queues now, behind these, not when the module's end comes
+    return started
 
 
 @pytest.fixture(scope="module")
@@ -350,3 +355,150 @@ def test_vllm_sample_exports_and_generates_the_reference_text(tmp_path):
     # vLLM logs to stdout too
     printed = [line for line in done.stdout.splitlines() if line.startswith(prompt)]
     assert [squeeze(line) for line in printed] == [squeeze(prompt + expected)], done.stdout[-2000:]
+
+
+# --- mixtures of experts, on tiny random models ---------------------------------------------------------
+
+#: the default cut (L - floor(L/3)) is 4 of 6 layers, and cut L-1 another
+MOE_LAYERS, MOE_CUT = 6, 4
+#: each family's MoE block in a vLLM decoder layer (router and experts: its gate and experts), whose rows
+#: the engine counts
+MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+#: the cuts served per family: the default, L-1, and the full model through the POP class (cut L)
+MOE_CUTS = {"pop": MOE_CUT, "last": MOE_LAYERS - 1, "full": MOE_LAYERS}
+
+
+def moe_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (5, 60, 300)]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict:
+    """Tiny random Qwen3-MoE and Mixtral (6 layers, 8 experts of width 32, 2 per token) and their folders, all
+    served by ONE engine process (greedy.py, one folder after the other, vLLM imported once: eight engines
+    and two refused starts in one process; started in the background while the tests compute their
+    references): per family the default cut, cut L-1 and the full model (cut L) of the POP class; Qwen3-MoE's
+    POP+ folder at the default cut, and its POP folder compiled (vLLM's default mode); then two folders the
+    plugin must refuse to start.
+
+    Shapes: head_dim 32 (the CPU attention backend's smallest) x 4 heads, so hidden 128: vLLM's CPU experts
+    kernel (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts, the one it picks here) wants a hidden width
+    divisible by 32 (tests/tiny.py's 64 would do, its head_dim 16 would not). Weights drawn at 0.1 so that
+    the greedy tokens vary."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from tiny_engine import tiny_hf_folder
+
+    root, jobs, prompts = tmp_path_factory.mktemp("moe"), [], moe_prompts()
+    families = {}
+    for model_type in MOE_BLOCKS:
+        hf = tiny_hf_folder(root / model_type / "hf", model_type, layers=MOE_LAYERS, head_dim=32,
+                            max_position_embeddings=512, initializer_range=0.1, eos=False)
+        loaded = load(hf)
+        folders = {name: export(loaded, root / model_type / name, cut=None if name == "pop" else cut)
+                   for name, cut in MOE_CUTS.items()}  # cut None: the default cut
+        block = MOE_BLOCKS[model_type]
+        modules = [block, f"{block}.gate", f"{block}.experts"]
+        jobs += [{"folder": str(folders[name]), "probe": "rows", "prompts": prompts, "modules": modules}
+                 for name in MOE_CUTS]
+        assert json.loads((folders["pop"] / "config.json").read_text())["popcompile"]["cut"] == MOE_CUT
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        families[model_type] = {"hf": hf, "model": model, "folders": folders, "modules": modules}
+    qwen = families["qwen3_moe"]
+    loaded = load(qwen["hf"])
+    qwen["fit"] = calibrate(loaded, root / "fit.safetensors", cut=MOE_CUT, max_tokens=2048)
+    qwen["folders"]["pop+"] = export(loaded, root / "qwen3_moe" / "pop+", cut=MOE_CUT,
+                                     kv_calibration=qwen["fit"])
+    jobs += [{"folder": str(qwen["folders"]["pop+"]), "prompts": prompts},
+             {"folder": str(qwen["folders"]["pop"]), "prompts": prompts,
+              "engine_args": {"enforce_eager": False}}]
+    refused = {"qwen2_moe": _pop_folder_of_qwen2_moe(root / "qwen2_moe"),
+               "gelu": _with_config(families["mixtral"]["folders"]["pop"], root / "gelu", hidden_act="gelu")}
+    jobs += [{"folder": str(folder), "probe": "start"} for folder in refused.values()]
+    index = {(job["folder"], job.get("probe"), bool(job.get("engine_args"))): i for i, job in enumerate(jobs)}
+    run = start(engine, root / "engine", Path(jobs[0]["folder"]), jobs, NEW, max_num_batched_tokens=128,
+                max_model_len=512, one_process=True)
+    return {"families": families, "run": run, "index": index, "prompts": prompts, "refused": refused}
+
+
+def _with_config(folder: Path, out: Path, **changes) -> Path:
+    """A copy of the served ``folder`` with config.json ``changes`` (a hand-edited folder)."""
+    import shutil
+
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+def _pop_folder_of_qwen2_moe(out: Path) -> Path:
+    """A Qwen2-MoE checkpoint (shared experts; the exporter refuses it) made into a POP folder by hand:
+    config.json naming PopQwen3MoeForCausalLM with a popcompile entry."""
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=97, hidden_size=128, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(out)
+    data = json.loads((out / "config.json").read_text())
+    data.update(architectures=["PopQwen3MoeForCausalLM"],
+                popcompile={"format": 1, "cut": 1, "kv_weights": None, "min_prompt_tokens": 0})
+    (out / "config.json").write_text(json.dumps(data))
+    return out
+
+
+def _moe_result(moe: dict, folder: Path, probe: str | None = None, compiled: bool = False):
+    return moe["run"].result()[moe["index"][(str(folder), probe, compiled)]]
+
+
+def _moe_reference(moe: dict, model_type: str, cut: int, kv_weights=None) -> list[list[int]]:
+    model = moe["families"][model_type]["model"]
+    return [reference(model, ids, Variant(cut=cut, kv_weights=kv_weights)) for ids in moe["prompts"]]
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE_BLOCKS))
+def test_moe_pop_equals_the_reference_and_skips_the_pruned_experts(moe, model_type):
+    """At the default cut (4 of 6) and at cut L-1, POP's greedy tokens equal the eager reference's, prompts
+    of 5, 60 and 300 tokens in one batch, 128 tokens a step (the 300-token prompt in chunks), and the pruned
+    layers' routers and experts see only the tokens that survive the cut: each prompt's last token and the
+    decode tokens. The full model (cut L: the POP class runs the stock class's forward) equals the
+    reference's full model."""
+    family, prompts = moe["families"][model_type], moe["prompts"]
+    every = sum(map(len, prompts)) + len(prompts) * (NEW - 1)  # prompt tokens, then NEW - 1 decode steps each
+    survivors = len(prompts) * NEW  # the last prompt token and the decode tokens
+    for name, cut in MOE_CUTS.items():
+        served = _moe_result(moe, family["folders"][name], "rows")
+        assert served["tokens"] == _moe_reference(moe, model_type, cut), name
+        expected_rows = [every] * cut + [survivors] * (MOE_LAYERS - cut)
+        assert served["rows"] == {module: expected_rows for module in family["modules"]}, name
+    # POP changed a completion: not a no-op here
+    assert _moe_reference(moe, model_type, MOE_CUT) != _moe_reference(moe, model_type, MOE_LAYERS)
+
+
+def test_moe_pop_plus_folder_uses_the_fitted_kv_weights(moe):
+    """Qwen3-MoE's POP+ folder (the ridge fit at the default cut, ``popcompile calibrate --max-tokens 2048``)
+    equals the reference with the same fitted weights."""
+    weights = load_fit(moe["families"]["qwen3_moe"]["fit"]).weights
+    served = _moe_result(moe, moe["families"]["qwen3_moe"]["folders"]["pop+"])
+    expected = _moe_reference(moe, "qwen3_moe", MOE_CUT, kv_weights=weights)
+    assert [r["tokens"] for r in served] == expected
+    assert expected != _moe_reference(moe, "qwen3_moe", MOE_CUT)  # the fit changed a completion
+
+
+def test_moe_compiled_pop_equals_the_reference(moe):
+    """vLLM's default mode (torch.compile): POP's compiled units with the fused experts inside give the
+    reference's tokens."""
+    served = _moe_result(moe, moe["families"]["qwen3_moe"]["folders"]["pop"], compiled=True)
+    assert [r["tokens"] for r in served] == _moe_reference(moe, "qwen3_moe", MOE_CUT)
+
+
+@pytest.mark.parametrize("case, culprit", [
+    ("qwen2_moe", "Qwen2-MoE (shared experts), model_type 'qwen2_moe': a mixture of experts popcompile's "
+                  "vLLM plugin does not serve"),
+    ("gelu", "MixtralForCausalLM with hidden_act='gelu': vLLM's fused experts compute SiLU"),
+])
+def test_moe_folders_the_plugin_does_not_serve_are_refused_at_startup(moe, case, culprit):
+    """A POP folder of a mixture of experts the plugin does not serve (made by hand: the exporter refuses
+    these, tests/test_vllm_export.py), or of a served family with a config field vLLM's class ignores, does
+    not start: one line naming it (settings.check_served, in the plugin's config hook)."""
+    started = _moe_result(moe, moe["refused"][case], "start")["start"]
+    assert started.startswith("REFUSED") and culprit in started and "\n" not in started, started

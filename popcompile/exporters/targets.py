@@ -12,12 +12,13 @@
 
 A target is a frozen dataclass holding its own build options. The driver calls, in order:
 ``preflight(config)`` (before the model loads: fail in a second, not after minutes), ``for_config(config)``
-(what depends on the config, resolved once), ``write(folder, compiled, step)`` (into the staged folder,
-returning the folder's record: an EngineManifest, or a ServingFolder; the driver sets its threshold and
-writes it, once) and names ``runtime`` to measure ``min_prompt_tokens`` with (None: the folder has no
-popcompile runtime). ``write`` sees no config: only ``Compiled``, what the compile decided and made.
-``graphs``: whether the driver captures the model and runs the POP pass for it. Heavy imports (torch,
-onnx, tensorrt) happen inside ``write``.
+(what depends on the config, resolved once), ``check_model(loaded)`` (once the model is loaded, before the
+cut's search and the fits: a model the target cannot serve is refused then), ``write(folder, compiled,
+step)`` (into the staged folder, returning the folder's record: an EngineManifest, or a ServingFolder; the
+driver sets its threshold and writes it, once) and names ``runtime`` to measure ``min_prompt_tokens`` with
+(None: the folder has no popcompile runtime). ``write`` sees no config: only ``Compiled``, what the compile
+decided and made. ``graphs``: whether the driver captures the model and runs the POP pass for it. Heavy
+imports (torch, onnx, tensorrt) happen inside ``write``.
 """
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ class OnnxTarget:
         once, after ``preflight``, so that the steps it lists are the steps that run)."""
         return replace(self, attention=self.lowering(config.dtype))
 
+    def check_model(self, loaded: LoadedModel) -> None:
+        """Nothing to check before capture (which refuses what it cannot trace, e.g. frontend/experts.py)."""
+
     def preflight(self, config: PopConfig) -> None:
         """Quantised weights and fused attention only over float32 graphs: onnxruntime's CPU kernels run
         float16 through casts, and the fusions give float16 graphs norms of mixed types that do not load."""
@@ -135,6 +139,9 @@ class TensorRTTarget:
 
         require_gpu()  # TensorRTUnavailable naming what is missing, before the long ONNX export
 
+    def check_model(self, loaded: LoadedModel) -> None:
+        """As the ONNX target: capture refuses what it cannot trace."""
+
     def write(self, folder: Path, compiled: Compiled, step: Step) -> EngineManifest:
         from ..errors import UnsupportedModelError
         from .tensorrt import plan_engines
@@ -171,6 +178,13 @@ class VllmTarget:
             raise ConfigError(f"--max-seq {config.max_seq} (max_seq={config.max_seq}) sizes popcompile's KV "
                               "buffers; vLLM pages its own: give vLLM max_model_len instead, for --target "
                               "vllm")
+
+    def check_model(self, loaded: LoadedModel) -> None:
+        """A model the plugin has no POP class for, or would not serve as transformers computes it
+        (exporters/vllm.py ``pop_architecture``), is refused before the cut's search and the fits."""
+        from .vllm import pop_architecture
+
+        pop_architecture(loaded)
 
     def write(self, folder: Path, compiled: Compiled, step: Step) -> ServingFolder:
         from .vllm import write_folder

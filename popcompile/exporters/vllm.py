@@ -33,6 +33,7 @@ from ..vllm_plugin.settings import (
     POP_ARCHITECTURES,
     VLLM_VERSION,
     PopSettings,
+    check_served,
 )
 
 INDEX = "model.safetensors.index.json"
@@ -86,11 +87,14 @@ class ServingFolder:
 
 
 def pop_architecture(loaded: LoadedModel) -> str:
-    """The POP class serving this model; UnsupportedModelError naming the ones the plugin has."""
+    """The POP class serving this model; UnsupportedModelError naming the ones the plugin has, or what the
+    plugin would not serve as transformers computes it (settings.check_served: a mixture of experts it does
+    not serve, or a config field its vLLM class does not read)."""
     names = list(getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__])
-    for name in names:
-        if name in BASE_TO_POP:
-            return BASE_TO_POP[name]
+    pop = next((BASE_TO_POP[name] for name in names if name in BASE_TO_POP), None)
+    check_served(pop, loaded.model.config)
+    if pop is not None:
+        return pop
     raise UnsupportedModelError(f"{'/'.join(names)} has no POP class for vLLM yet (supported: "
                                 f"{', '.join(BASE_TO_POP)}): export it with --target onnx")
 

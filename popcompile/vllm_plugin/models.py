@@ -12,8 +12,10 @@ import vllm
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.mixtral import MixtralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from . import runner
 from .model import PopDeep, PopKV, PopShallow, PopStack, pop_forward, use_survivor_backend
@@ -85,4 +87,12 @@ class PopQwen3ForCausalLM(_PopMixin, Qwen3ForCausalLM):
 
 
 class PopGemma3ForCausalLM(_PopMixin, Gemma3ForCausalLM):
+    pass
+
+
+class PopQwen3MoeForCausalLM(_PopMixin, Qwen3MoeForCausalLM):
+    pass
+
+
+class PopMixtralForCausalLM(_PopMixin, MixtralForCausalLM):
     pass

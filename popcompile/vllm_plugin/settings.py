@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine.vllm_folder import CONFIG_KEY, FORMAT, is_readable_entry
-from ..errors import ConfigError, EnvironmentUnavailable, ModelError
+from ..errors import ConfigError, EnvironmentUnavailable, ModelError, PopcompileError, UnsupportedModelError
 from ..threshold import is_token_count
 
 VLLM_VERSION = "0.32.0"  # the one vLLM whose attention metadata and model classes this plugin was built on
@@ -27,8 +27,55 @@ KV_PREFIX = "pop_kv."  # tensor names in KV_WEIGHTS_FILE: pop_kv.layers.{l}.{k_p
 # POP class -> the stock vLLM/Hugging Face architecture it serves
 POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM", "PopMistralForCausalLM": "MistralForCausalLM",
                      "PopQwen2ForCausalLM": "Qwen2ForCausalLM", "PopQwen3ForCausalLM": "Qwen3ForCausalLM",
-                     "PopGemma3ForCausalLM": "Gemma3ForCausalLM"}
+                     "PopGemma3ForCausalLM": "Gemma3ForCausalLM",
+                     # mixtures of experts: the deep layers' routers and experts run on the survivors only
+                     "PopQwen3MoeForCausalLM": "Qwen3MoeForCausalLM",
+                     "PopMixtralForCausalLM": "MixtralForCausalLM"}
 BASE_TO_POP = {base: pop for pop, base in POP_ARCHITECTURES.items()}
+
+# The mixtures of experts served: POP class -> (model_type, {config field: (the one value served, why)}).
+# vLLM's classes read fewer fields than transformers' (popcompile.reference): a checkpoint with another value
+# would be served with other experts than its own, so it is refused (``check_served``) rather than served
+# wrong.
+_SILU = ("silu", "vLLM's fused experts compute SiLU whatever hidden_act says")
+MOE_FAMILIES = {
+    "PopQwen3MoeForCausalLM": ("qwen3_moe", {
+        "hidden_act": _SILU,
+        "shared_expert_intermediate_size": (0, "vLLM's class adds a shared expert that transformers' "
+                                               "Qwen3-MoE does not have")}),
+    "PopMixtralForCausalLM": ("mixtral", {"hidden_act": _SILU}),
+}
+# mixtures of experts the plugin does not serve (model_type -> the family and what it lacks), refused by name
+# where a POP folder of one loads (vLLM serves them without POP)
+UNSERVED_MOE = {"olmoe": "OLMoE (full-width q/k norms and clip_qkv)",
+                "qwen2_moe": "Qwen2-MoE (shared experts)",
+                "gpt_oss": "gpt-oss (attention sinks; biased MXFP4 experts with a clamped SwiGLU)"}
+
+
+def check_served(architecture: str | None, hf_config: Any) -> None:
+    """UnsupportedModelError, one line, unless the POP class ``architecture`` serves ``hf_config`` as
+    transformers computes it: a mixture of experts the plugin does not serve (``UNSERVED_MOE``), a POP
+    mixture of experts class over another family's config, or a config field its vLLM class does not read
+    (``MOE_FAMILIES``). Called by the exporter and, where a POP folder loads, by ``PopConfigHook``."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in UNSERVED_MOE:
+        raise UnsupportedModelError(
+            f"{UNSERVED_MOE[model_type]}, model_type {model_type!r}: a mixture of experts popcompile's vLLM "
+            f"plugin does not serve (it serves {', '.join(family for family, _ in MOE_FAMILIES.values())}); "
+            "serve the model with vLLM without POP")
+    if architecture not in MOE_FAMILIES:
+        return
+    family, fields = MOE_FAMILIES[architecture]
+    if model_type != family:
+        raise UnsupportedModelError(f"{architecture} serves model_type {family!r}, and this config.json has "
+                                    f"{model_type!r}: export the model again with `popcompile export MODEL "
+                                    "--target vllm`")
+    for field, (served, why) in fields.items():
+        value = getattr(hf_config, field, None)
+        if value is not None and value != served:
+            raise UnsupportedModelError(
+                f"{POP_ARCHITECTURES[architecture]} with {field}={value!r}: {why}, so popcompile's vLLM "
+                f"plugin serves {field}={served!r} only; this checkpoint is not supported")
 
 
 @dataclass(frozen=True)
@@ -88,6 +135,12 @@ def check_vllm_version(version: str) -> None:
             "folder's model without POP")
 
 
+class FolderRefused(PopcompileError, RuntimeError):
+    """A POP folder or deployment the plugin will not serve, raised where vLLM builds its config: the
+    refusal's own type and message in one line. Not a ValueError, which vLLM's config validation (pydantic)
+    would wrap into a multi-line ValidationError."""
+
+
 class PopConfigHook:
     """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``): checks the folder and the deployment, and
     turns on ``kv_sharing_fast_prefill`` so that the model runner hands the model the logits indices
@@ -95,9 +148,17 @@ class PopConfigHook:
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
+        try:
+            PopConfigHook._verify_and_update_config(vllm_config)
+        except PopcompileError as err:  # one line, as popcompile's own refusals (not pydantic's wrapping)
+            raise FolderRefused(f"{type(err).__name__}: {err}") from None
+
+    @staticmethod
+    def _verify_and_update_config(vllm_config: Any) -> None:
         import vllm
 
         check_vllm_version(vllm.__version__)
+        check_served(vllm_config.model_config.architecture, vllm_config.model_config.hf_config)
         settings = PopSettings.for_instance(vllm_config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
