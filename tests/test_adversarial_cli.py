@@ -130,6 +130,15 @@ def test_a_missing_environment_exits_3_and_a_mistake_2_as_help_says(monkeypatch,
     assert "--max-new-tokens" in capsys.readouterr().err
 
 
+def test_every_command_prints_its_result_as_json_on_request():
+    import argparse
+
+    from popcompile.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert [name for name, parser in commands.items() if "--json" not in parser._option_string_actions] == []
+
+
 def test_a_reader_that_left_ends_the_command_quietly(monkeypatch, engines):
     """``popcompile info E | head -1``: stdout's reader is gone when the command writes: no traceback, the
     exit code of SIGPIPE, and later writes go nowhere."""

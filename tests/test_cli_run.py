@@ -57,4 +57,10 @@ def test_prompts_refusals_come_before_the_engine_loads(cli, tmp_path, content, f
     done = cli("run", tmp_path / "no-engine", "--prompts", path, *flags, check=False)
     assert done.returncode == 2 and culprit in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     done = cli("run", tmp_path / "no-engine", "--prompt", "t1", "--batch-size", "2", check=False)
-    assert done.returncode == 2 and "use it with --prompts FILE" in done.stderr
+    assert done.returncode == 2 and "--batch-size goes with --prompts FILE" in done.stderr
+
+
+def test_prompts_field_is_for_a_jsonl_file(cli, tmp_path):
+    (tmp_path / "p.txt").write_text("t1\n")
+    done = cli("run", tmp_path / "e", "--prompts", tmp_path / "p.txt", "--prompts-field", "q", check=False)
+    assert done.returncode == 2 and "is read as one prompt a line" in done.stderr

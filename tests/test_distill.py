@@ -278,6 +278,9 @@ def test_calibrate_distill_writes_a_distilled_fit(hf, tmp_path, capsys, corpus):
     assert printed.startswith(f"{out}: POP++ K/V projections") and "distilled 6 steps, held-out" in printed
     ridge = tmp_path / "ridge.safetensors"
     assert main(["calibrate", str(hf), "--out", str(ridge), "--cut", "2", "--seq-len", "64",
-                 "--text", str(corpus), "--method", "ridge"]) == 0
+                 "--text", str(corpus), "--method", "ridge", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)  # --json: the file's metadata and how the fit ran
+    assert printed["out"] == str(ridge) and printed["method"] == "ridge" and printed["layers"] == [3]
+    assert printed["cut"] == 2 and printed["distill"] is None and printed["fit"]["device"] == "cpu"
     assert (load_fit(ridge).info.method == "ridge"
             and load_fit(ridge).info.corpus_sha256 == fit.info.corpus_sha256)

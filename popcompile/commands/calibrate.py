@@ -4,6 +4,7 @@ export's: ``kvfit.fit.fit_method`` decides (POP++ for a text model, POP+ for a v
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..config import FIT_METHODS, check_cut_choice
@@ -68,6 +69,9 @@ def register(sub) -> None:
                    help=f"distill: seed of the held-out split and the window order (default {steps.seed})")
     add_fit_options(p)
     p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--json", action="store_true",
+                   help="print the fit as one JSON object (the file's metadata, the layers, how it ran; "
+                        "distill's held-out scores) instead of a summary line")
     p.set_defaults(handler=cmd_calibrate)
 
 
@@ -99,14 +103,29 @@ def cmd_calibrate(args) -> None:
     config = fit_config(args, fit_method(loaded.model, args.method))  # auto: the one rule export follows
     check_method(loaded.model, config)
     batches = calibration_batches(args, loaded, sources, config)
-    fit, note = fitted(loaded.model, batches, cut, config, lazy=loaded.lazy)
+    fit, result = fitted(loaded.model, batches, cut, config, lazy=loaded.lazy)
     check_output_file(args.out, args.force)  # again: the file may have appeared during the fit
     save_fit(fit, args.out)
+    if args.json:
+        print(json.dumps(fit_json(args.out, fit, result), indent=2))
+        return
     from .info import FIT_NAMES
 
     name = FIT_NAMES.get(fit.info.method, fit.info.method).split()[0]  # what ran: auto's choice, a fallback
     print(f"{args.out}: {name} K/V projections of layers {cut}..{fit.info.num_layers - 1} fitted on "
-          f"{fit.info.tokens} tokens (ridge {fit.info.ridge}{note})")
+          f"{fit.info.tokens} tokens (ridge {fit.info.ridge}{fit_note(fit, result)})")
+
+
+def fit_json(out: Path, fit, result) -> dict:
+    """`calibrate --json`: the file, its metadata (CalibrationInfo), the refitted layers, how the fit ran
+    (its record: device, estimate, time, a fallback) and, for distill, its held-out scores."""
+    from dataclasses import asdict
+
+    distill = None if result is None else {
+        "steps_run": result.steps_run, "best_step": result.best_step, "stopped": result.stopped,
+        "initial": asdict(result.initial), "best": asdict(result.best)}
+    return {"out": str(out), **asdict(fit.info), "layers": sorted(fit.weights), "fit": fit.record,
+            "distill": distill}
 
 
 def fit_config(args, method: str | None = None):
@@ -167,28 +186,32 @@ def image_batches(args, loaded, sources) -> list:
 
 
 def fitted(model, batches: list, cut: int, config, lazy=None):
-    """(the fit, a note for the summary line), through ``kvfit.fit.fit_on_tokens``, its estimate, fallback
-    and progress drawn by ``FitProgress`` (one bar per phase: tokens for ridge; for distill the full model's
-    pass, whose forward also gives the ridge fit's statistics, then the training steps). ``lazy``: the
-    model was built without its weights (frontend.lazy; ridge streams them)."""
+    """(the fit, distill's DistillResult or None), through ``kvfit.fit.fit_on_tokens``, its estimate,
+    fallback and progress drawn by ``FitProgress`` (one bar per phase: tokens for ridge; for distill the
+    full model's pass, whose forward also gives the ridge fit's statistics, then the training steps).
+    ``lazy``: the model was built without its weights (frontend.lazy; ridge streams them)."""
     from ..kvfit.fit import fit_on_tokens
     from .fitprogress import FitProgress
 
     with FitProgress() as progress:
-        fit, result = fit_on_tokens(model, batches, cut, config, progress=progress, lazy=lazy)
+        return fit_on_tokens(model, batches, cut, config, progress=progress, lazy=lazy)
+
+
+def fit_note(fit, result) -> str:
+    """The summary line's tail: a fallback, an early stop, the time against the estimate, distill's scores."""
     record = fit.record or {}
     tail = f"; {record['stopped']}" if record.get("stopped") else ""
     if record:
         tail += (f"; fitted in {record['elapsed_s']:.0f} s on {record['device']} (estimated "
                  f"{record['estimate_s']:.0f} s)")
     if record.get("fallback"):
-        return fit, f"; POP+ (ridge) instead of POP++: {record['fallback_cause']}{tail}"
+        return f"; POP+ (ridge) instead of POP++: {record['fallback_cause']}{tail}"
     if result is None:
-        return fit, tail
+        return tail
     first, best = result.initial, result.best
-    return fit, (f"; distilled {result.steps_run} steps, held-out matched prefix "
-                 f"{first.matched_prefix:.2f} -> {best.matched_prefix:.2f} tokens, KL {first.kl:.4f} -> "
-                 f"{best.kl:.4f} at step {result.best_step}{tail}")
+    return (f"; distilled {result.steps_run} steps, held-out matched prefix "
+            f"{first.matched_prefix:.2f} -> {best.matched_prefix:.2f} tokens, KL {first.kl:.4f} -> "
+            f"{best.kl:.4f} at step {result.best_step}{tail}")
 
 
 def check_output_file(out: Path, force: bool) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from . import build_trt
-from .common import CliError, add_provider_option, check_range, read_text
+from .common import CliError, add_provider_option, check_range, jsonl_texts, read_text
 
 DEFAULT_PROMPT_NOTE = "text to complete; with a chat template it is sent as the user's message"
 #: --prompts: prompts per generate call unless --batch-size says (the runtime's own maximum if lower:
@@ -38,7 +38,7 @@ def register(sub) -> None:
                    help="several prompts, generated as batches: one a line (blank lines skipped), or, in a "
                         ".jsonl file, one JSON string or object a line (--prompts-field: its text). One "
                         "result a prompt, in order; --json: one JSON object a line")
-    p.add_argument("--prompts-field", default="prompt",
+    p.add_argument("--prompts-field", metavar="FIELD",
                    help="the text's field in --prompts .jsonl objects (default prompt)")
     p.add_argument("--batch-size", type=int,
                    help=f"with --prompts: prompts per generate call (default {DEFAULT_BATCH}, or the "
@@ -214,8 +214,6 @@ def _run_batches(session, prompts: list[str], options, args) -> None:
 def read_prompts(path: Path, field: str) -> list[str]:
     """--prompts: a .jsonl file's texts (a string or an object's ``field`` a line), else one prompt a line;
     blank lines skipped; InputError for a file that holds none."""
-    from .common import jsonl_texts
-
     text = read_text(path, "--prompts")
     if path.suffix == ".jsonl":
         try:
@@ -248,9 +246,13 @@ def _check_args(args) -> str | list[str] | None:
             one = len(given) == 1
             raise CliError(f"--prompts runs a file of prompts; {', '.join(given)} {'is' if one else 'are'} "
                            f"for one prompt: drop {'it' if one else 'them'} or --prompts")
-        return read_prompts(args.prompts, args.prompts_field)
-    if args.batch_size is not None:
-        raise CliError("--batch-size sizes the batches of --prompts: use it with --prompts FILE")
+        if args.prompts_field is not None and args.prompts.suffix != ".jsonl":
+            raise CliError(f"--prompts-field names the text in a .jsonl file's objects; {args.prompts} is "
+                           "read as one prompt a line: drop --prompts-field, or name the file *.jsonl")
+        return read_prompts(args.prompts, args.prompts_field or "prompt")
+    for flag, value in (("--batch-size", args.batch_size), ("--prompts-field", args.prompts_field)):
+        if value is not None:
+            raise CliError(f"{flag} goes with --prompts FILE: add it or drop {flag}")
     if args.image and args.prompt is None and args.prompt_file is None:
         raise CliError("--image goes with a prompt: give --prompt TEXT (a conversation on stdin takes no "
                        "images)")
