@@ -22,7 +22,7 @@ from popcompile.driver import compile as compile_model
 from popcompile.driver import steps
 from popcompile.engine.manifest import EngineError, EngineManifest
 from popcompile.errors import ConfigError
-from popcompile.exporters.quantize import quantize_weights, untie_gemm_heads
+from popcompile.exporters.quantize import Quantised, quantize_weights, untie_gemm_heads
 from popcompile.exporters.steps import QUANTIZE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
@@ -165,6 +165,34 @@ def test_untie_gemm_head_is_exact():
     after = ort.InferenceSession(proto.SerializeToString()).run(None, {"h": h})
     for a, b in zip(after, before):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_two_graphs_read_is_quantised_once():
+    # the decode and prefill graphs read the same weights: the second graph reuses the first's packed tensors
+    rng = np.random.default_rng(2)
+    weight, other = (rng.standard_normal((64, 32)).astype(np.float32) for _ in range(2))
+
+    def graph(name: str, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+        nodes = [helper.make_node("MatMul", ["x", w], [f"y{i}"]) for i, w in enumerate(weights)]
+        body = helper.make_graph(
+            nodes, name, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 64])],
+            [helper.make_tensor_value_info(f"y{i}", onnx.TensorProto.FLOAT, [3, 32])
+             for i in range(len(nodes))],
+            [numpy_helper.from_array(v, k) for k, v in weights.items()])
+        return helper.make_model(body, opset_imports=[helper.make_opsetid("", 20)])
+
+    quantised = Quantised()
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    decode = quantize_weights(graph("decode", {"W": weight}), WeightQuantization("int4"), quantised=quantised)
+    prefill = quantize_weights(graph("prefill", {"W_again": weight, "V": other}), WeightQuantization("int4"),
+                               quantised=quantised)
+    assert quantised.made == 2  # W once for both graphs, V
+    assert {t.name for t in prefill.graph.initializer} == {"W_again_Q4", "W_again_scales", "V_Q4", "V_scales"}
+    (y_decode,) = ort.InferenceSession(decode.SerializeToString()).run(None, {"x": x})
+    y_prefill, _ = ort.InferenceSession(prefill.SerializeToString()).run(None, {"x": x})
+    np.testing.assert_array_equal(y_prefill, y_decode)
+    exact = x @ weight  # int4 (7 steps each side of a block's max) with int8 activations: ~10% of the norm
+    assert np.linalg.norm(y_decode - exact) < 0.25 * np.linalg.norm(exact)
 
 
 def test_float_is_a_no_op():

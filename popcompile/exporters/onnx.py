@@ -43,7 +43,7 @@ from ..ort_passes import ORT_PASSES, OrtContext
 from ..ort_passes.graph import tensor_array
 from ..passes.prefill import GraphPair
 from .moe import fold_weight_gathers, translation_table
-from .quantize import quantize_weights
+from .quantize import Quantised, quantize_weights
 from .scratch import INLINE_BYTES, Scratch, external, nbytes
 from .steps import ONNX_WRITE_STEPS, onnx_write_steps
 
@@ -121,7 +121,9 @@ def _fuse(w: _Writing) -> None:
 
 def _quantize(w: _Writing) -> None:
     store = w.scratch.store if w.scratch else None
-    w.decode, w.prefill = (quantize_weights(proto, w.quantization, store) for proto in (w.decode, w.prefill))
+    quantised = Quantised(store)  # the weights both graphs read are quantised once
+    w.decode, w.prefill = (quantize_weights(proto, w.quantization, store, quantised)
+                           for proto in (w.decode, w.prefill))
 
 
 def _write_folder(w: _Writing) -> None:

@@ -14,8 +14,9 @@ copy ``E.T [K, V]``, so the head is quantised while the embedding lookup (Gather
     Gemm(h, E, transB=1)  ->  MatMul(h, E.T)  ->  MatMulNBits(h, E.T_q, scales)
 
 Attention's activation-by-activation MatMuls (Q·Kᵀ, P·V) have no constant input and stay float, as do
-norms, RoPE and the K/V rows. The same function runs on both graphs; the quantised weights are a
-deterministic function of the float ones, so ``write_shared`` still stores each of them once.
+norms, RoPE and the K/V rows. The same function runs on both graphs with one ``Quantised`` cache: a
+weight both graphs read (the decode graph's and the prefill's survivors share theirs) is quantised once,
+and the second graph reads the same packed tensors (``write_shared`` stores each once).
 
 One weight at a time: each MatMul's weight is read alone (from the graph, or from the scratch file the writer
 keeps the weights in, ``ort_passes.graph.tensor_array``) and quantised by onnxruntime's own block kernel
@@ -24,8 +25,10 @@ written as that quantiser writes it; the whole float model is never in memory.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import onnx
@@ -35,13 +38,59 @@ from ..config import WeightQuantization
 from ..ort_passes.graph import tensor_array
 
 
+class Quantised:
+    """The quantised tensors made so far in one export, by the float weight they came from (its bytes'
+    place in the scratch file, or a digest of a weight held in memory): each weight is quantised once,
+    however many nodes and graphs read it. ``store``: called on each new tensor as it is made (the
+    writer's scratch file: out of memory)."""
+
+    def __init__(self, store: Callable[[onnx.TensorProto], None] | None = None) -> None:
+        self.store = store
+        self._by_source: dict[tuple, list[onnx.TensorProto]] = {}
+        self._held: dict[int, set[str]] = {}  # id(graph) -> the quantised names it holds
+        self.made = 0  # weights quantised (not reused)
+
+    def add(self, graph: onnx.GraphProto, weight: onnx.TensorProto, names: list[str],
+            make: Callable[[], tuple[np.ndarray, ...]]) -> None:
+        """``graph`` holding ``names`` (one per array ``make`` returns): reused where ``weight`` was
+        quantised before, made from it otherwise."""
+        held = self._held.setdefault(id(graph), set())
+        if names[0] in held:
+            return
+        held.add(names[0])
+        key = _source(weight)
+        if key not in self._by_source:
+            tensors = [numpy_helper.from_array(array, name) for array, name in zip(make(), names)]
+            for tensor in tensors:
+                if self.store is not None:
+                    self.store(tensor)
+            self._by_source[key] = tensors
+            self.made += 1
+        for tensor, name in zip(self._by_source[key], names):
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)  # an external reference where stored: no bytes copied
+            copy.name = name
+            graph.initializer.append(copy)
+
+
+def _source(weight: onnx.TensorProto) -> tuple:
+    """What identifies a float weight's values: where they lie (an external tensor) or their digest."""
+    shape = (weight.data_type, tuple(weight.dims))
+    if weight.data_location == onnx.TensorProto.EXTERNAL:
+        return shape + tuple((e.key, e.value) for e in weight.external_data)
+    return shape + (hashlib.sha256(tensor_array(weight).tobytes()).digest(),)
+
+
 def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
-                     store: Callable[[onnx.TensorProto], None] | None = None) -> onnx.ModelProto:
+                     store: Callable[[onnx.TensorProto], None] | None = None,
+                     quantised: Quantised | None = None) -> onnx.ModelProto:
     """``proto`` with every constant-weight MatMul (and the Gemm LM head) as MatMulNBits and every fused
     mixture of experts (onnxruntime's MoE) as QMoE; float: unchanged.
-    ``store``: called on each new initializer as it is made (the writer's scratch file: out of memory)."""
+    ``store``: called on each new initializer as it is made (the writer's scratch file: out of memory);
+    ``quantised``: the cache shared by the graphs of one export (one per call where None)."""
     if quantization.bits is None:
         return proto
+    quantised = quantised or Quantised(store)
     quantizer_module = _import_quantizer()
     untie_gemm_heads(proto, store)
     config = quantizer_module.DefaultWeightOnlyQuantConfig(block_size=quantization.block_size,
@@ -50,18 +99,11 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
                                                            bits=quantization.bits)
     blocks = quantizer_module.DefaultWeightOnlyQuantizer(config)
     weights = {t.name: t for t in proto.graph.initializer}
-    made: set[str] = set()  # a weight two nodes read is quantised once
-
-    def keep(tensor: onnx.TensorProto) -> None:
-        made.add(tensor.name)
-        if store is not None:
-            store(tensor)
-        proto.graph.initializer.append(tensor)
-
     nodes = []
     for node in proto.graph.node:
         rewrite = _REWRITES.get((node.domain, node.op_type))
-        nodes.append((rewrite and rewrite(node, weights, made, keep, blocks, quantization)) or node)
+        made = rewrite and rewrite(node, weights, partial(quantised.add, proto.graph), blocks, quantization)
+        nodes.append(made or node)
     graph = proto.graph
     del graph.node[:]
     graph.node.extend(nodes)
@@ -74,25 +116,22 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
 
-def _matmul_nbits(node, weights, made, keep, blocks, quantization: WeightQuantization):
+def _matmul_nbits(node, weights, add, blocks, quantization: WeightQuantization):
     """``MatMul(x, W [K, N])`` -> ``MatMulNBits(x, W_q, scales)``; None where W is not a 2-D float weight."""
     weight = weights.get(node.input[1]) if len(node.input) == 2 else None
     if weight is None or len(weight.dims) != 2 or weight.data_type not in _FLOATS:
         return None
     rows, cols = weight.dims
     bits = quantization.bits
-    names = (f"{weight.name}_Q{bits}", f"{weight.name}_scales")
-    if names[0] not in made:
-        packed, scales, _ = blocks.qbits_block_quant(tensor_array(weight))
-        keep(numpy_helper.from_array(packed, names[0]))
-        keep(numpy_helper.from_array(scales, names[1]))
+    names = [f"{weight.name}_Q{bits}", f"{weight.name}_scales"]
+    add(weight, names, lambda: blocks.qbits_block_quant(tensor_array(weight))[:2])
     return helper.make_node("MatMulNBits", [node.input[0], *names], [node.output[0]],
                             name=f"{node.name}_Q{bits}" if node.name else "", domain="com.microsoft",
                             K=rows, N=cols, bits=bits, block_size=quantization.block_size,
                             **_accuracy(quantization))
 
 
-def _qmoe(node, weights, made, keep, blocks, quantization: WeightQuantization):
+def _qmoe(node, weights, add, blocks, quantization: WeightQuantization):
     """``MoE(x, router, fc1 [E, 2I, d], -, fc2 [E, d, I])`` (exporters/moe.py's fused lowering) ->
     ``QMoE(x, router, fc1_q [E, 2I, d*bits/8] uint8, fc1_scales, -, fc2_q, fc2_scales)``, symmetric
     (value = (q - 2^(bits-1)) * scale), the layout onnxruntime's CPU QMoE reads. int4: blocks of
@@ -110,10 +149,7 @@ def _qmoe(node, weights, made, keep, blocks, quantization: WeightQuantization):
     names = []
     for weight in (fc1, fc2):
         names += [f"{weight.name}_Q{quantization.bits}", f"{weight.name}_scales"]
-        if names[-2] not in made:
-            packed, scales = _expert_blocks(tensor_array(weight), blocks, quantization)
-            keep(numpy_helper.from_array(packed, names[-2]))
-            keep(numpy_helper.from_array(scales, names[-1]))
+        add(weight, names[-2:], partial(_expert_blocks, tensor_array(weight), blocks, quantization))
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     attributes = {k: v.decode() if isinstance(v, bytes) else v for k, v in attributes.items()}
     return helper.make_node("QMoE", [inputs[0], inputs[1], names[0], names[1], "", names[2], names[3]],
