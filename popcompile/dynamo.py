@@ -34,7 +34,7 @@ from .config import KVCalibration, PopConfig, resolve_cut
 from .errors import ConfigError
 from .frontend.arch import TRANSFORMERS_FOLDERS, transformers_folder
 from .passes.boundary import UnsupportedGraph, fold_boundary_pass
-from .passes.layers import find_layers, module_path
+from .passes.layers import find_layers, is_logits, module_path
 from .passes.pop import kv_projection_shapes
 from .passes.static_seq import symbolize_sequence
 from .threshold import FIXED_MIN_PROMPT_TOKENS, uses_pop
@@ -285,7 +285,7 @@ def _is_one(size) -> bool:
 
 
 def _logits_node(graph: fx.Graph) -> fx.Node | None:
-    found = [n for n in graph.output_node().all_input_nodes if module_path(n).endswith("lm_head")]
+    found = [n for n in graph.output_node().all_input_nodes if is_logits(n)]
     return found[0] if len(found) == 1 else None
 
 

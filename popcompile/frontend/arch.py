@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -90,6 +92,22 @@ def pruned_kv(spec: ArchSpec, layer, h_cut, project, head_dim: int):
     if spec.k_norm is not None:
         k = layer.get_submodule(spec.k_norm)(k.view(*k.shape[:-1], -1, head_dim)).view(k.shape)
     return k, v
+
+
+def finish_logits(config, logits):
+    """What the causal LM does to its LM head's output ``logits`` [..., V]: divide by ``logits_scaling``
+    (Granite), then soft-cap as ``tanh(logits / cap) * cap`` (Gemma 2's and Gemma 3's
+    ``final_logit_softcapping``), each where the (text) config sets it. The one copy of this recipe: capture,
+    analyze's scorers and POP++'s student all run the head by hand, and must agree with ``model.generate``."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        logits = logits / scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def layer_kinds(config) -> list[str]:

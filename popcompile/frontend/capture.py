@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..engine.kv import DEFAULT_MAX_SEQ, KVLayout
-from .arch import ArchSpec, arch_spec, attention_windows
+from .arch import ArchSpec, arch_spec, attention_windows, finish_logits
 from .experts import experts_for_capture
 from .vision import VisionLanguageSpec, deepstack_layers, vision_spec
 
@@ -113,7 +113,7 @@ class DecoderWithKV(torch.nn.Module):
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
             **{cache_keyword(self.model.model): Cache(layers=layers)},
         )
-        logits = self.model.lm_head(out.last_hidden_state[:, -1])  # [B, V]
+        logits = finish_logits(self.model.config, self.model.lm_head(out.last_hidden_state[:, -1]))  # [B, V]
         present = [t for layer in layers for t in layer.new]
         return (logits, *present)
 
@@ -132,6 +132,7 @@ class VisionDecoderWithKV(torch.nn.Module):
         self.spec = spec
         self.text = model.get_submodule(vspec.text)
         self.lm_head = model.get_output_embeddings()
+        self.config = model.config
         self.image_token_id = getattr(model.config, vspec.image_token)
         self.windows = attention_windows(model.config.get_text_config())
 
@@ -142,7 +143,7 @@ class VisionDecoderWithKV(torch.nn.Module):
         out = run_with_images(self.text, self.image_token_id, input_ids, visual_embeds,
                               position_ids=position_ids, attention_mask=mask, use_cache=True,
                               **{cache_keyword(self.text): Cache(layers=layers)})
-        logits = self.lm_head(out.last_hidden_state[:, -1])  # [B, V]
+        logits = finish_logits(self.config, self.lm_head(out.last_hidden_state[:, -1]))  # [B, V]
         return (logits, *[t for layer in layers for t in layer.new])
 
 

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import DistillConfig
 from ..errors import UnsupportedModelError
-from ..frontend.arch import arch_spec, pruned_kv
+from ..frontend.arch import arch_spec, finish_logits, pruned_kv
 from ..frontend.capture import cache_keyword
 from ..passes.pop import Projection
 from .calibrate import PARTS, CutMoments
@@ -213,16 +213,15 @@ def own_projections(model, index: int) -> dict[str, Projection]:
 
 
 def head_logits(model, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [B, C, V] from the last layer's output ``h`` [B, C, d]: final norm, LM head, soft-capping
-    (Gemma); with ``vocab`` [S] those rows of the LM head only: [B, C, S]."""
+    """Logits [B, C, V] from the last layer's output ``h`` [B, C, d]: final norm, LM head, the
+    model's scaling and soft-cap (arch.finish_logits); with ``vocab`` [S] its rows only: [B, C, S]."""
     head, x = model.get_output_embeddings(), model.get_decoder().norm(h)
     if vocab is None:
         logits = head(x)
     else:
         bias = None if head.bias is None else head.bias[vocab]
         logits = torch.nn.functional.linear(x, head.weight[vocab], bias)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+    return finish_logits(model.config, logits)
 
 
 def student_logits(model, data: Windows, rows: torch.Tensor, weights: dict[int, dict[str, Projection]]):

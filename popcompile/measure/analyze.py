@@ -37,7 +37,7 @@ import torch
 
 from ..config import resolve_cut
 from ..errors import ConfigError, ModelError
-from ..frontend.arch import arch_spec, attention_windows
+from ..frontend.arch import arch_spec, attention_windows, finish_logits
 from ..frontend.capture import attention_for_capture, build_mask
 from ..frontend.vision import deepstack_layers, vision_spec
 from ..fsutil import atomic_path, atomic_write
@@ -155,7 +155,6 @@ class Scorer(torch.nn.Module):
         self.gen_len = gen_len
         self.mask_mapping = arch_spec(model.config).mask_mapping
         self.windows = attention_windows(model.config)
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         batch, seq = input_ids.shape
@@ -164,10 +163,7 @@ class Scorer(torch.nn.Module):
         mask = masks if self.mask_mapping else next(iter(masks.values()))
         out = self.model.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                                use_cache=False)
-        logits = self.model.lm_head(out.last_hidden_state[:, -self.gen_len:])  # [B, G, V]
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return finish_logits(self.model.config, self.model.lm_head(out.last_hidden_state[:, -self.gen_len:]))
 
 
 def capture_scorer(model: torch.nn.Module, batch: int, seq_len: int, gen_len: int) -> GateResult:

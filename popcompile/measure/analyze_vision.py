@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..frontend.arch import attention_windows
+from ..frontend.arch import attention_windows, finish_logits
 from ..frontend.capture import attention_for_capture, build_mask, functional_mrope, run_with_images
 from ..frontend.vision import (
     ImageInputs,
@@ -53,6 +53,7 @@ class VisionScorer(torch.nn.Module):
         spec = vision_spec(model.config)
         self.text = model.get_submodule(spec.text)
         self.lm_head = model.get_output_embeddings()
+        self.config = model.config
         self.image_token_id = getattr(model.config, spec.image_token)
         self.window = next(iter(attention_windows(model.config.get_text_config()).values()))
         self.gen_len = gen_len
@@ -62,7 +63,7 @@ class VisionScorer(torch.nn.Module):
         mask = build_mask(torch.ones_like(input_ids), input_ids.shape[1], self.window)  # [B, 1, S, S]
         out = run_with_images(self.text, self.image_token_id, input_ids, visual_embeds,
                               position_ids=position_ids, attention_mask=mask, use_cache=False)
-        return self.lm_head(out.last_hidden_state[:, -self.gen_len:])  # [B, G, V]
+        return finish_logits(self.config, self.lm_head(out.last_hidden_state[:, -self.gen_len:]))  # [B, G, V]
 
 
 def capture_vision_scorer(model: torch.nn.Module, batch: int, seq_len: int, gen_len: int) -> GateResult:

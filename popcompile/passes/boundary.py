@@ -37,7 +37,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .layers import find_layers, layer_part, module_path
+from .layers import find_layers, is_logits, layer_part, module_path
 from .pop import LINEAR, KVWeights, Projection, eliminate_dead_code, rewire_deep_layers, weight_constant
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -236,7 +236,7 @@ def _check_output(graph: fx.Graph, copier: _LastPosition) -> None:
     if replaced == output.args:
         raise UnsupportedGraph("no graph output depends on the last layer (graph break before the LM head?)")
     for node in output.all_input_nodes:
-        if node in copier.last and not module_path(node).endswith("lm_head"):
+        if node in copier.last and not is_logits(node):
             raise UnsupportedGraph(f"output {node.name} depends on the deep layers "
                                    f"but is not the LM head's logits")
     output.args = replaced

@@ -29,6 +29,24 @@ def module_path(node: fx.Node) -> str:
     return path if isinstance(path, str) else ""
 
 
+#: ops the causal LM may apply to its LM head's output (frontend/arch.finish_logits: Granite's logits_scaling,
+#: Gemma's final soft-cap is div, tanh, mul), walked back through to find the head
+_MAX_LOGITS_OPS = 8
+
+
+def is_logits(node: fx.Node) -> bool:
+    """Whether ``node`` is the LM head's output, or an elementwise chain after it outside any decoder layer
+    (``logits / scaling``, ``tanh(logits / cap) * cap``): each step reads exactly one other node."""
+    for _ in range(_MAX_LOGITS_OPS + 1):
+        if module_path(node).endswith("lm_head"):
+            return True
+        inputs = node.all_input_nodes
+        if node.op not in _CALLS or layer_part(node) is not None or len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
 def layer_part(node: fx.Node) -> tuple[int, str] | None:
     """(layer index, part inside the layer) or None when the node is not inside a decoder layer.
 

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..config import resolve_cut
-from .layers import INPUT_NORM, Layer, find_layers, module_path
+from .layers import INPUT_NORM, Layer, find_layers, is_logits, module_path
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _drop_logits(graph: fx.Graph) -> None:
     """Remove output 0 (logits): prefill only fills the cache. Keeps the present K/V outputs."""
     output = graph.output_node()
     outputs = list(output.args[0])
-    assert module_path(outputs[0]).endswith("lm_head"), "capture contract: output 0 is the LM head's logits"
+    assert is_logits(outputs[0]), "capture contract: output 0 is the LM head's logits"
     output.args = (tuple(outputs[1:]),)
 
 
