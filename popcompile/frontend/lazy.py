@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+from .layout import check_layout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -137,6 +140,28 @@ def placeholders(folder: Path, config: PretrainedConfig, dtype: torch.dtype
                                                      requires_grad=False)
                 keys[made[id(param)].untyped_storage().data_ptr()] = key
             module._parameters[name] = made[id(param)]
+    shapes = {keys[p.untyped_storage().data_ptr()]: tuple(p.shape) for p in made.values()}
+    _check_lazy_layout(folder, model, files, shapes)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model, LazyWeights(files, keys, dtype)
+
+
+def _check_lazy_layout(folder: Path, model: PreTrainedModel, files: dict[str, str],
+                       shapes: dict[str, tuple[int, ...]]) -> None:
+    """layout.check_layout for a model every parameter of which found its key: checkpoint tensors no
+    parameter reads (buffers and the family's ignored keys aside), and shapes (``shapes``: key -> the
+    model's) other than the checkpoint's, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    buffers = {name for name, _ in model.named_buffers()}
+    unexpected = [k for k in files if k not in shapes and k not in buffers
+                  and not any(p.search(k) for p in ignored)]
+    mismatched = []
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as checkpoint:
+            for key in checkpoint.keys():
+                if key in shapes and tuple(checkpoint.get_slice(key).get_shape()) != shapes[key]:
+                    mismatched.append(key)
+    check_layout(folder, model.config.model_type, unexpected=unexpected, mismatched=mismatched)

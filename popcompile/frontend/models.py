@@ -33,6 +33,7 @@ from ..errors import ConfigError, ModelError, ModelNotFoundError, PopcompileErro
 from .arch import DECODER_TYPES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 from .hub import fetch
+from .layout import check_layout
 from .lazy import LazyWeights, placeholders
 from .vision import VISION_LANGUAGE, vision_spec
 
@@ -189,6 +190,8 @@ def _lazy_placeholders(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedMode
         return None
     try:
         return placeholders(folder, config, dtype)
+    except PopcompileError:  # a checkpoint in another layout (layout.py): already one line
+        raise
     except (*_READ_ERRORS, SafetensorError) as err:
         raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
                          "re-download or re-save the model") from err
@@ -213,10 +216,16 @@ def _read_weights(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
     auto = getattr(transformers, spec.auto_class) if spec is not None else AutoModelForCausalLM
     try:
         # local_files_only: every kind is on disk by now and the hub must never be contacted.
-        return auto.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+        # ignore_mismatched_sizes: a shape other than the config's is reported, and refused below
+        model, info = auto.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                           local_files_only=True, output_loading_info=True,
+                                           ignore_mismatched_sizes=True)
     except (*_READ_ERRORS, SafetensorError) as err:
         raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
                          "re-download or re-save the model") from err
+    check_layout(folder, model.config.model_type, missing=info["missing_keys"],
+                 unexpected=info["unexpected_keys"], mismatched=info["mismatched_keys"])
+    return model
 
 
 def _read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
