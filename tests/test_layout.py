@@ -2,6 +2,8 @@
 line naming what differs, and never compiled with random or dropped weights."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import safetensors.torch
 import torch
@@ -64,3 +66,20 @@ def test_export_refuses_it_in_one_line_and_writes_nothing(folder, tmp_path, cli)
     assert len(error_lines(done.stderr)) == 1
     assert "self_attn.sinks" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize(("setting", "value", "what"), [
+    ("attention_chunk_size", 8192, "a chunked attention mask"), ("logits_scaling", 8.0, "scaled logits")])
+def test_a_setting_the_family_code_ignores_is_refused_before_the_weights(folder, setting, value, what):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, setting: value}))
+    (folder / "model.safetensors").write_bytes(b"not read")
+    with pytest.raises(UnsupportedModelError, match=rf"sets {setting}={value!r} \({what}\), which "
+                                                    r"transformers' 'llama' code does not read"):
+        load_model(str(folder))
+
+
+def test_neutral_values_of_such_settings_load(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "logits_scaling": 1.0, "clip_qkv": None}))
+    assert load_model(str(folder)).model.config.logits_scaling == 1.0

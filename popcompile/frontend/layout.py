@@ -8,6 +8,11 @@ that model as if it were the checkpoint's, so loading stops here with what diffe
 
     from_pretrained(..., output_loading_info=True) -> missing, unexpected, mismatched keys
     check_layout(...)                                -> UnsupportedModelError, one line, when any is there
+
+The same holds for the config: a setting that changes what a layer computes (``UNREAD_SETTINGS``), in a
+config.json whose family's config class does not define it, is a variant the family's code would ignore
+(a chunked attention mask on a Llama, Granite's multipliers on a Mistral): ``check_settings`` refuses it
+before any weight is read.
 """
 from __future__ import annotations
 
@@ -17,6 +22,34 @@ from pathlib import Path
 from ..errors import UnsupportedModelError
 
 _SHOWN = 2  # keys named in the message; the rest counted
+
+#: config settings some family's code reads and others' ignore: name -> (what it is, the value that changes
+#: nothing)
+UNREAD_SETTINGS: dict[str, tuple[str, object]] = {
+    "attention_chunk_size": ("a chunked attention mask", None),
+    "no_rope_layers": ("layers without RoPE", None),
+    "attn_logit_softcapping": ("soft-capped attention scores", None),
+    "final_logit_softcapping": ("soft-capped logits", None),
+    "logits_scaling": ("scaled logits", 1.0),
+    "embedding_multiplier": ("a scaled embedding", 1.0),
+    "residual_multiplier": ("a scaled residual", 1.0),
+    "attention_multiplier": ("an attention scale", None),
+    "clip_qkv": ("clamped q/k/v projections", None),
+    "use_qk_norm": ("q/k norms", False),
+}
+
+
+def check_settings(config, name: str) -> None:
+    """UnsupportedModelError where ``config`` (a decoder's; a vision-language model's text config) sets one of
+    ``UNREAD_SETTINGS`` its family's config class does not define: the family's code would not apply it."""
+    defaults = type(config)()
+    for setting, (what, neutral) in UNREAD_SETTINGS.items():
+        value = getattr(config, setting, neutral)
+        if not hasattr(defaults, setting) and value is not None and value != neutral:
+            raise UnsupportedModelError(
+                f"model {name!r} sets {setting}={value!r} ({what}), which transformers' "
+                f"{config.model_type!r} code does not read: it would run without it; use a family whose code "
+                "applies it (docs/families.md), or remove the setting if the weights were made without it")
 
 
 def check_layout(folder: Path, model_type: str | None, *, missing: Iterable[str] = (),

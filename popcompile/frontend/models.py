@@ -33,7 +33,7 @@ from ..errors import ConfigError, ModelError, ModelNotFoundError, PopcompileErro
 from .arch import DECODER_TYPES
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 from .hub import fetch
-from .layout import check_layout
+from .layout import check_layout, check_settings
 from .lazy import LazyWeights, placeholders
 from .vision import VISION_LANGUAGE, vision_spec
 
@@ -316,6 +316,7 @@ def _check_supported(config: PretrainedConfig, name: str) -> None:
     """Raise ``UnsupportedModelError`` unless ``config`` is a supported decoder-only LM."""
     model_type = config.model_type
     if model_type in SUPPORTED_MODEL_TYPES:
+        check_settings(config.get_text_config(), name)
         return
     hint = ""
     if model_type == "gemma3":  # multimodal wrapper; its text tower alone is gemma3_text
