@@ -33,6 +33,10 @@ TINY = {
 }
 
 
+#: the families among TINY whose attention scores are soft-capped: their layers stay standard ONNX ops (no
+#: fused attention, so no shared KV buffer)
+CAPPED = frozenset({"gemma2"})
+
 #: the mixtures of experts among TINY (their MLP is transformers' experts block: router + experts op)
 MOE = frozenset({"qwen3_moe", "mixtral"})
 

@@ -102,9 +102,14 @@ def attention_implementation(config) -> str:
     """The attention transformers loads the model with: "sdpa", or "eager" where attention scores are
     soft-capped (Gemma 2's ``attn_logit_softcapping``: transformers refuses SDPA, which has no cap). Capture
     replaces either with its own function (capture.pop_attention), which writes the cap as plain ops."""
+    return "eager" if attention_softcap(config) is not None else "sdpa"
+
+
+def attention_softcap(config) -> float | None:
+    """The cap on attention scores, ``tanh(s / cap) * cap`` (Gemma 2's attn_logit_softcapping), or None."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    return getattr(config, "attn_logit_softcapping", None)
 
 
 def finish_logits(config, logits):
