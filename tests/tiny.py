@@ -17,10 +17,11 @@ TINY = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
         "sliding_window": 4, "layer_types": None, "query_pre_attn_scalar": 16}),
-    # multipliers away from 1 (Granite 3 uses 12, 0.22, 1/128 and 8 or 16) so that a dropped one shows
+    # multipliers away from 1 so that a dropped one shows (Granite 3: 12, 0.22, 1/128 and 8 or 16; here the
+    # branches outweigh the embedding and the logits are sharpened, so that the deep layers matter)
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, {
-        "embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.125,
-        "logits_scaling": 2.0}),
+        "embedding_multiplier": 0.5, "residual_multiplier": 2.0, "attention_multiplier": 0.125,
+        "logits_scaling": 0.5}),
     # caps small enough that tanh bends this tiny model's scores and logits (Gemma 2: 50 and 30)
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
         "sliding_window": 4, "query_pre_attn_scalar": 16, "attn_logit_softcapping": ATTN_CAP,
