@@ -31,9 +31,13 @@ FD_EPS, FD_ATOL, FD_RTOL = 1e-2, 1e-4, 1e-2
 EAGER_ATOL = 1e-4
 # The module whose output is the residual branch, per architecture (Gemma 3: sandwich norms).
 BRANCH_MODULES = {
-    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")},
+    **dict.fromkeys(("gemma3_text", "gemma2"), ("post_attention_layernorm", "post_feedforward_layernorm")),
+    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                               "granite")},
 }
+#: the part of the layer whose node is the branch output the gate multiplies, where it is not the module's own
+#: last op: Granite multiplies each branch by residual_multiplier in the layer itself (part "")
+BRANCH_OUTPUT_PARTS = {"granite": {"attn": ("",), "mlp": ("",)}}
 #: mixtures of experts: a perturbation of 1e-2 flips some tokens' top-k routing (a step in the loss that
 #: a central difference reads as a slope); 1e-4 (in float64) stays inside every routing region here
 MOE_FD_EPS = 1e-4
@@ -72,8 +76,9 @@ def test_branches_found_in_every_layer(gated):
     arch, _, result = gated
     assert [(b.layer, b.kind) for b in result.branches] == [(l, k) for l in range(LAYERS)
                                                             for k in ("attn", "mlp")]
-    expected = {"attn": ("self_attn.o_proj", "post_attention_layernorm"),
-                "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp")}  # mlp: a MoE block's output
+    expected = BRANCH_OUTPUT_PARTS.get(arch, {"attn": ("self_attn.o_proj", "post_attention_layernorm"),
+                                              # mlp: a MoE block's output
+                                              "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp")})
     for branch in result.branches:
         assert branch.module in expected[branch.kind], (arch, branch)
     names = [n.name for n in result.graph_module.graph.nodes if n.op == "placeholder"]

@@ -37,13 +37,14 @@ KL_ATOL = 1e-4      # the brief's bound on the step-0 loss against the eager ref
 def sharp_model(arch: str) -> torch.nn.Module:
     """A tiny model whose final norm is scaled up: peaked distributions, so KLs are O(0.1), not O(1e-5)
     (on the plain random model a wrong cache would still pass a 1e-4 KL bound). Gemma 3 with both
-    soft-caps."""
-    extra = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if arch == "gemma3_text" else {}
+    soft-caps (Gemma 2 with its own: tiny.py's small ones would flatten the distributions)."""
+    gemma = arch in ("gemma3_text", "gemma2")
+    extra = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if gemma else {}
     model = tiny_model(arch, layers=LAYERS, **extra)
     with torch.no_grad():
         norm = model.get_decoder().norm.weight
         # Gemma's norm scales by 1 + w
-        norm.copy_(20 * (1 + norm) - 1 if arch == "gemma3_text" else 20 * norm)
+        norm.copy_(20 * (1 + norm) - 1 if gemma else 20 * norm)
     return model
 
 

@@ -13,12 +13,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import numpy_helper
-from tiny import MOE
+from tiny import CAPPED, MOE
 from tiny_engine import tiny_engine
 
+from popcompile import reference
 from popcompile.engine.manifest import EngineError, EngineManifest
-from popcompile.errors import ConfigError
+from popcompile.errors import ConfigError, UnsupportedModelError
+from popcompile.exporters.onnx import check_capped_attention
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
@@ -36,7 +39,7 @@ LAYERS, CUT = 4, 3
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", params=sorted(DECODER_TYPES))
+@pytest.fixture(scope="module", params=sorted(set(DECODER_TYPES) - CAPPED))  # capped: test_soft_capped_*
 def graphs(request, engines) -> dict:
     """standard and fused sessions of both graphs of one tiny engine, and the fused forms per graph."""
     folder = engines.tiny(request.param, cut=CUT, max_seq=64, target=OnnxTarget(attention="standard"))
@@ -244,6 +247,34 @@ def test_rope_becomes_rotary_embedding_on_the_token_rows(graphs):
                 while source.op_type == "Identity":
                     source = producer[source.input[0]]
                 assert source.op_type == "RotaryEmbedding", (node.name, source.op_type)
+
+
+@pytest.mark.parametrize("model_type", sorted(CAPPED | {"granite"}))
+def test_soft_capped_and_scaled_families_generate_the_reference_through_the_engine(engines, model_type):
+    """Gemma 2 (soft-capped attention and logits) and Granite (multipliers, logits_scaling) through the
+    default (fused) engine at the default cut (L-1 here; cut 2: the graphs' tests): POP's greedy tokens
+    equal the eager reference, full prefill equals model.generate. Capped attention stays standard ONNX ops
+    in both graphs (no decode graph on the shared buffer); a capped layer fused would be refused
+    (check_capped_attention)."""
+    from tiny import tiny_model
+
+    model, prompt, new = tiny_model(model_type), [5, 9, 12, 40, 41, 7, 3, 88, 19, 4, 60], 6
+    ids = torch.tensor([prompt])
+    session = OrtSession(engines.tiny(model_type, max_seq=64))
+    assert session.manifest.cut == LAYERS - 1
+    sampling = SamplingConfig(max_new_tokens=new)
+    assert session.generate([prompt], sampling)[0].token_ids == reference.generate(
+        model, ids, new, reference.Variant(cut=LAYERS - 1))
+    full = model.generate(ids, max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+    assert session.generate([prompt], sampling, mode="full")[0].token_ids == full
+    layers = session.manifest.attention["layers"]
+    if model_type in CAPPED:
+        assert all(forms == {GQA: 0, MHA: 0, "standard": LAYERS} for forms in layers.values())
+        assert not session.manifest.shares_kv("decode")
+        with pytest.raises(UnsupportedModelError, match="were fused into onnxruntime attention"):
+            check_capped_attention(model.config, {**layers, "decode": {GQA: 1, MHA: 0, "standard": 3}})
+    else:
+        assert layers["decode"] == {GQA: LAYERS, MHA: 0, "standard": 0}
 
 
 def test_export_fuses_by_default_and_records_it(tmp_path):

@@ -140,6 +140,16 @@ def test_an_architecture_without_a_pop_class_is_named():
     assert pop_architecture(SimpleNamespace(model=model)) == "PopQwen3ForCausalLM"
 
 
+@pytest.mark.parametrize("architecture", ["GraniteForCausalLM", "Gemma2ForCausalLM"])
+def test_granite_and_gemma2_are_refused_by_name(architecture):
+    """popcompile exports them as ONNX engines; its vLLM plugin has no POP class for them (multipliers and
+    logits_scaling; soft-capped attention), so the exporter names the class in one line."""
+    model = SimpleNamespace(config=SimpleNamespace(architectures=[architecture]))
+    with pytest.raises(UnsupportedModelError, match=f"^{architecture} has no POP class for vLLM yet") as err:
+        pop_architecture(SimpleNamespace(model=model))
+    assert "\n" not in str(err.value) and "--target onnx" in str(err.value)
+
+
 @pytest.mark.parametrize("model_type, pop_class", [("qwen3_moe", "PopQwen3MoeForCausalLM"),
                                                    ("mixtral", "PopMixtralForCausalLM")])
 def test_a_mixture_of_experts_gets_its_pop_class_and_keeps_its_weights(model_type, pop_class, tmp_path):

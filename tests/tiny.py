@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 import transformers
 
+from popcompile.frontend.arch import attention_implementation
+
+ATTN_CAP, LOGIT_CAP = 0.1, 1.0  # tiny Gemma 2's soft-caps
+
 # model_type -> (config class, model class, extra config); every entry of arch.DECODER_TYPES needs one (a
 # vision-language model's text decoder is tested inside tiny_vlm)
 TINY = {
@@ -13,6 +17,15 @@ TINY = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
         "sliding_window": 4, "layer_types": None, "query_pre_attn_scalar": 16}),
+    # multipliers away from 1 so that a dropped one shows (Granite 3: 12, 0.22, 1/128 and 8 or 16; here the
+    # branches outweigh the embedding and the logits are sharpened, so that the deep layers matter)
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, {
+        "embedding_multiplier": 0.5, "residual_multiplier": 2.0, "attention_multiplier": 0.125,
+        "logits_scaling": 0.5}),
+    # caps small enough that tanh bends this tiny model's scores and logits (Gemma 2: 50 and 30)
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
+        "sliding_window": 4, "query_pre_attn_scalar": 16, "attn_logit_softcapping": ATTN_CAP,
+        "final_logit_softcapping": LOGIT_CAP}),
     # mixtures of experts: 8 experts of width 32, 2 per token
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
@@ -20,6 +33,10 @@ TINY = {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
 
+
+#: the families among TINY whose attention scores are soft-capped: their layers stay standard ONNX ops (no
+#: fused attention, so no shared KV buffer)
+CAPPED = frozenset({"gemma2"})
 
 #: the mixtures of experts among TINY (their MLP is transformers' experts block: router + experts op)
 MOE = frozenset({"qwen3_moe", "mixtral"})
@@ -40,7 +57,7 @@ def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, s
                                  for i in range(layers)]
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention_implementation(config)  # eager where attention is soft-capped
     model = model_cls(config).eval()
     # random init leaves norms at 1 and can make deep layers near no-ops: perturb every weight
     with torch.no_grad():

@@ -36,6 +36,8 @@ import torch
 from ..config import WeightQuantization
 from ..engine.manifest import EngineManifest, GraphEntry, format_version, sha256_file
 from ..engine.vision import VISION_INPUTS, VISION_OUTPUTS
+from ..errors import UnsupportedModelError
+from ..frontend.arch import attention_softcap
 from ..frontend.lazy import LazyWeights
 from ..frontend.models import LoadedModel
 from ..frontend.vision import vision_record, vision_spec
@@ -117,6 +119,22 @@ def _export_vision(w: _Writing) -> None:
 
 def _fuse(w: _Writing) -> None:
     w.decode, w.prefill, w.attention = fuse_for_ort(w.decode, w.prefill, w.pair, scratch=w.scratch)
+    check_capped_attention(w.loaded.model.config, w.attention["layers"])
+
+
+def check_capped_attention(config, layers: dict[str, dict[str, int]]) -> None:
+    """UnsupportedModelError where the model's attention scores are soft-capped (arch.attention_softcap) and a
+    graph's layers (``layers``: graph -> attention form -> count, lower_for_ort's) took a fused form:
+    onnxruntime's attention ops here have no cap, so a fused layer would silently drop it. Capture writes
+    capped attention as plain ops (capture.softcapped_attention) that no fusion matches today."""
+    cap = attention_softcap(config)
+    fused = {graph: n for graph, forms in layers.items()
+             if (n := sum(count for form, count in forms.items() if form != "standard"))}
+    if cap is not None and fused:
+        graph, count = next(iter(fused.items()))
+        raise UnsupportedModelError(
+            f"{count} soft-capped attention layer(s) of the {graph} graph were fused into onnxruntime "
+            f"attention, which has no cap (attn_logit_softcapping={cap}): export with --attention standard")
 
 
 def _quantize(w: _Writing) -> None:

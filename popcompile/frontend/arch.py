@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -40,6 +38,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen3_moe", mask_mapping=False, k_norm="self_attn.k_norm"),
         ArchSpec("mixtral", mask_mapping=False),
         ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm", branch_output_norms=True),
+        # Granite: Llama's layer with embedding, residual and attention multipliers inside transformers'
+        # modules (captured as ops) and logits divided by logits_scaling (finish_logits)
+        ArchSpec("granite", mask_mapping=False),
+        # Gemma 2: Gemma 3's sandwich norms without a k-norm; attention scores soft-capped
+        # (attention_implementation), final logits soft-capped (finish_logits)
+        ArchSpec("gemma2", mask_mapping=True, branch_output_norms=True),
         # Qwen3-VL's text decoder (frontend/vision.py: the model around it)
         ArchSpec("qwen3_vl_text", mask_mapping=False, k_norm="self_attn.k_norm", part_of="qwen3_vl"),
     )
@@ -94,6 +98,20 @@ def pruned_kv(spec: ArchSpec, layer, h_cut, project, head_dim: int):
     return k, v
 
 
+def attention_implementation(config) -> str:
+    """The attention transformers loads the model with: "sdpa", or "eager" where attention scores are
+    soft-capped (Gemma 2's ``attn_logit_softcapping``: transformers refuses SDPA, which has no cap). Capture
+    replaces either with its own function (capture.pop_attention), which writes the cap as plain ops."""
+    return "eager" if attention_softcap(config) is not None else "sdpa"
+
+
+def attention_softcap(config) -> float | None:
+    """The cap on attention scores, ``tanh(s / cap) * cap`` (Gemma 2's attn_logit_softcapping), or None."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "attn_logit_softcapping", None)
+
+
 def finish_logits(config, logits):
     """What the causal LM does to its LM head's output ``logits`` [..., V]: divide by ``logits_scaling``
     (Granite), then soft-cap as ``tanh(logits / cap) * cap`` (Gemma 2's and Gemma 3's
@@ -106,7 +124,7 @@ def finish_logits(config, logits):
         logits = logits / scaling
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
+        logits = (logits / cap).tanh() * cap  # a tensor method: this table imports no torch
     return logits
 
 

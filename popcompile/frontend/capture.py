@@ -45,18 +45,42 @@ def pop_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """Attention with an explicit boolean mask; GQA by repeating K/V heads.
 
     query: [B, H, T, D]; key, value: [B, H_kv, P+T, D]; attention_mask: [B, 1, T, P+T] bool.
-    Returns ([B, T, H, D], None) as transformers' attention functions do.
+    Returns ([B, T, H, D], None) as transformers' attention functions do. With ``softcap`` (Gemma 2's
+    attn_logit_softcapping) the scores are capped (``softcapped_attention``).
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attention logit softcapping is not supported by popcompile's capture")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    if kwargs.get("softcap") is not None:
+        return softcapped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def softcapped_attention(query, key, value, attention_mask, scaling, cap: float) -> torch.Tensor:
+    """softmax(tanh(q k^T * scale / cap) * cap, masked) v as plain ops (SDPA has no cap; onnxruntime's fused
+    attention on this version neither, so these layers stay standard ONNX ops: exporters/onnx.py refuses a
+    capped layer that got fused). query [B, H, T, D]; key, value [B, H, P+T, D] (repeated per query head);
+    attention_mask [B, 1, T, P+T] bool. Returns [B, T, H, D] (pop_attention's). The softmax runs in float32,
+    as transformers' eager attention does."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # bmm of [B*H, ...] views of contiguous copies: matmul, reshape or contiguous() of a transposed query
+    # guard T != 1 (a copy or a view depends on it), which export refuses; clone always copies
+    batch, heads, seq, dim = query.shape
+
+    def flat(x):  # [B, H, S, D] -> [B*H, S, D]
+        return x.clone(memory_format=torch.contiguous_format).view(batch * heads, -1, dim)
+
+    scores = torch.bmm(flat(query), flat(key).transpose(1, 2))
+    scores = scores.view(batch, heads, seq, -1) * scale  # [B, H, T, P+T]
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.bmm(probs.view(batch * heads, seq, -1), flat(value)).view(batch, heads, seq, dim)
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format)
 
 
 def build_mask(attention_mask: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:

@@ -113,6 +113,8 @@ def placeholders(folder: Path, config: PretrainedConfig, dtype: torch.dtype
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from .arch import attention_implementation
+
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = {key: str(folder / name) for key, name in json.loads(index.read_text())["weight_map"].items()}
@@ -122,7 +124,8 @@ def placeholders(folder: Path, config: PretrainedConfig, dtype: torch.dtype
     else:
         return None
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=attention_implementation(config))
     model.tie_weights()
     names: dict[int, list[str]] = {}  # a tied parameter has several names; the checkpoint holds one
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -30,7 +30,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ConfigError, ModelError, ModelNotFoundError, PopcompileError, UnsupportedModelError
-from .arch import DECODER_TYPES
+from .arch import DECODER_TYPES, attention_implementation
 from .gguf_tokenizer import apply_special_tokens, gguf_special_tokens
 from .hub import fetch
 from .layout import check_layout, check_settings
@@ -212,14 +212,15 @@ def _read_weights(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
     from safetensors import SafetensorError
 
     # a vision-language model loads whole (its vision tower too): the VLM table names its auto class
-    spec = vision_spec(_read_config(folder, local_files_only=True))
+    config = _read_config(folder, local_files_only=True)
+    spec = vision_spec(config)
     auto = getattr(transformers, spec.auto_class) if spec is not None else AutoModelForCausalLM
     try:
         # local_files_only: every kind is on disk by now and the hub must never be contacted.
         # ignore_mismatched_sizes: a shape other than the config's is reported, and refused below
-        model, info = auto.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                           local_files_only=True, output_loading_info=True,
-                                           ignore_mismatched_sizes=True)
+        model, info = auto.from_pretrained(folder, dtype=dtype, local_files_only=True,
+                                           attn_implementation=attention_implementation(config),
+                                           output_loading_info=True, ignore_mismatched_sizes=True)
     except (*_READ_ERRORS, SafetensorError) as err:
         raise ModelError(f"the weights in {folder} cannot be read ({_first_line(err)}): "
                          "re-download or re-save the model") from err

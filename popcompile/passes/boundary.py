@@ -78,6 +78,7 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
         if index is not None and index > cut and layers[index].nodes[0] is node:
             kv_inputs[index] = _kv_input(gm.graph, node, h_cut, copier.last[layers[index].input], seq_dim)
         if index is not None and layer_part(node)[1].startswith(_KV_PARTS):
+            copier.whole.add(node)
             continue
         copier.visit(node)
     _check_output(gm.graph, copier)
@@ -172,6 +173,10 @@ class _LastPosition:
         self.graph, self.seq = graph, seq
         self.last: dict[fx.Node, fx.Node] = {}
         self.sliced: dict[fx.Node, fx.Node] = {}  # full value -> its last position (made once)
+        # the cache side of the deep layers: their K/V parts and the tensors made from them alone (RoPE'd
+        # keys, the cache's concatenation, keys repeated per head), read whole by a copy: an eager
+        # attention's matmul(q̄, k^T) sees every key even where the keys' length is the sequence length
+        self.whole: set[fx.Node] = set()
 
     def seed(self, node: fx.Node, last: fx.Node) -> None:
         self.last[node] = last
@@ -180,6 +185,8 @@ class _LastPosition:
         if node.op not in ("call_function", "call_method"):
             return
         if not any(arg in self.last for arg in node.all_input_nodes):
+            if isinstance(_value(node), torch.Tensor) and not self.whole.isdisjoint(node.all_input_nodes):
+                self.whole.add(node)
             return
         if node.target in _SDPA:
             args, kwargs = self._attention(node)
@@ -194,6 +201,8 @@ class _LastPosition:
     def _input(self, arg: fx.Node) -> fx.Node | int:
         if arg in self.last:
             return self.last[arg]
+        if arg in self.whole:
+            return arg
         value = _value(arg)
         if isinstance(value, torch.SymInt):
             if _same(value, self.seq):
@@ -204,6 +213,8 @@ class _LastPosition:
             return arg  # independent of the sequence length (e.g. logits_to_keep)
         if isinstance(value, torch.Tensor):
             dims = [d for d, size in enumerate(value.shape) if _same(size, self.seq)]
+            if len(dims) == 2 and dims[1] == value.dim() - 1 == dims[0] + 1:
+                dims = dims[:1]  # an attention mask [.., N, N] (no past): its query rows, as for SDPA's mask
             if len(dims) > 1:
                 raise UnsupportedGraph(f"{arg.name} has the sequence length in {len(dims)} dims: ambiguous")
             if not dims and any(_scaled_by_sequence(size, self.seq) for size in value.shape):

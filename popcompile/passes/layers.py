@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 _LAYER_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.(.+))?$")
@@ -36,15 +37,21 @@ _MAX_LOGITS_OPS = 8
 
 def is_logits(node: fx.Node) -> bool:
     """Whether ``node`` is the LM head's output, or an elementwise chain after it outside any decoder layer
-    (``logits / scaling``, ``tanh(logits / cap) * cap``): each step reads exactly one other node."""
+    (``logits / scaling``, ``tanh(logits / cap) * cap``): each step reads exactly one tensor (dynamo may pass
+    the scale as a SymFloat input)."""
     for _ in range(_MAX_LOGITS_OPS + 1):
         if module_path(node).endswith("lm_head"):
             return True
-        inputs = node.all_input_nodes
-        if node.op not in _CALLS or layer_part(node) is not None or len(inputs) != 1:
+        tensors = [n for n in node.all_input_nodes if not _is_scalar(n)]
+        if node.op not in _CALLS or layer_part(node) is not None or len(tensors) != 1:
             return False
-        node = inputs[0]
+        node = tensors[0]
     return False
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, (int, float, torch.SymInt, torch.SymFloat))
 
 
 def layer_part(node: fx.Node) -> tuple[int, str] | None:
