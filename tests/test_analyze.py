@@ -31,8 +31,9 @@ FD_EPS, FD_ATOL, FD_RTOL = 1e-2, 1e-4, 1e-2
 EAGER_ATOL = 1e-4
 # The module whose output is the residual branch, per architecture (Gemma 3: sandwich norms).
 BRANCH_MODULES = {
-    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")},
+    **{arch: ("post_attention_layernorm", "post_feedforward_layernorm") for arch in ("gemma3_text", "olmo2")},
+    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                               "olmoe")},
 }
 #: mixtures of experts: a perturbation of 1e-2 flips some tokens' top-k routing (a step in the loss that
 #: a central difference reads as a slope); 1e-4 (in float64) stays inside every routing region here
