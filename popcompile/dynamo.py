@@ -149,7 +149,7 @@ class PopBackend:
                         self._chooser(gm, logits_rows, seq, opts))
 
     def _plan(self, gm: fx.GraphModule, opts: PopOptions):
-        family = _family(gm.graph)  # before find_layers, whose own refusal would not name it (OLMo 2)
+        family = _family(gm.graph)  # before find_layers, whose own refusal would not name it
         if family is not None and family not in TRANSFORMERS_FOLDERS:
             return "fallback", (f"transformers' {family} is not a family popcompile prunes (supported: "
                                 f"{', '.join(sorted(TRANSFORMERS_FOLDERS))}; docs/families.md)"), None

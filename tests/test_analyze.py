@@ -31,9 +31,10 @@ FD_EPS, FD_ATOL, FD_RTOL = 1e-2, 1e-4, 1e-2
 EAGER_ATOL = 1e-4
 # The module whose output is the residual branch, per architecture (Gemma 3: sandwich norms).
 BRANCH_MODULES = {
-    **dict.fromkeys(("gemma3_text", "gemma2"), ("post_attention_layernorm", "post_feedforward_layernorm")),
+    **dict.fromkeys(("gemma3_text", "gemma2", "olmo2"),
+                    ("post_attention_layernorm", "post_feedforward_layernorm")),
     **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                                               "granite")},
+                                               "granite", "olmoe")},
 }
 #: the part of the layer whose node is the branch output the gate multiplies, where it is not the module's own
 #: last op: Granite multiplies each branch by residual_multiplier in the layer itself (part "")

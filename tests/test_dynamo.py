@@ -91,15 +91,16 @@ def test_a_mixture_of_experts_without_the_op_runs_unpruned_and_says_how():
     assert tokens == model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["phi3", "stablelm"])
 def test_a_family_popcompile_does_not_prune_runs_unpruned_and_is_named(family):
-    """Phi-3's fused qkv_proj has no K/V projection of its own for the pass to keep, OLMo 2's layers are
-    post-norm: refused by name, never pruned wrong."""
+    """Phi-3's fused qkv_proj has no K/V projection of its own for the pass to keep, StableLM's layer norms
+    and partial rotary are not in the table: refused by name, never pruned wrong."""
     import transformers
 
     torch.manual_seed(0)
-    config_class, model_class = {"phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-                                 "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[family]
+    config_class, model_class = {
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM)}[family]
     config = config_class(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           pad_token_id=0)

@@ -13,7 +13,7 @@ from tiny import TINY, empty_past, greedy_with_graphs, run_graph, tiny_model
 from popcompile import reference
 from popcompile.config import resolve_cut
 from popcompile.driver import build_graphs
-from popcompile.frontend.arch import DECODER_TYPES
+from popcompile.frontend.arch import DECODER_TYPES, arch_spec
 from popcompile.passes.layers import find_layers, layer_part, module_path
 from popcompile.passes.pop import pop_pass
 
@@ -60,13 +60,14 @@ PRUNED_PARTS = {"q_proj", "o_proj", "mlp", "gate_proj", "up_proj", "down_proj", 
 def test_deep_layers_keep_only_the_kv_path(arch_pair):
     model, pair = arch_pair
     before, after = _parts_by_layer(pair.decode), _parts_by_layer(pair.prefill)
+    norm = arch_spec(model.config).input_norm  # None: post-norm layers (OLMo 2) project h_cut itself
     for layer in range(pair.num_layers):
         kept = {part for (l, part) in after if l == layer}
         if layer < pair.cut:
             assert {part for (l, part) in before if l == layer} == kept, f"shallow layer {layer} changed"
         else:
             assert not kept & PRUNED_PARTS, f"layer {layer} still has {sorted(kept & PRUNED_PARTS)}"
-            assert {"input_layernorm", "k_proj", "v_proj"} <= kept
+            assert {"k_proj", "v_proj"} | ({norm} if norm else set()) <= kept
     paths = {module_path(n) for n in pair.prefill.graph.nodes}
     assert not any(p.endswith("lm_head") or p.endswith("model.norm") for p in paths)
 
@@ -204,3 +205,32 @@ def test_prefill_kv_equivalence_over_shapes(arch, kv_heads, groups, head_dim, la
     for i, layer in enumerate(cache.layers):
         torch.testing.assert_close(kv[2 * i], layer.keys, atol=ATOL, rtol=0)
         torch.testing.assert_close(kv[2 * i + 1], layer.values, atol=ATOL, rtol=0)
+
+
+def test_a_clip_that_binds_clamps_pruned_kv_and_the_graph_as_the_model_does():
+    """OLMoE clamps q, k and v to [-clip_qkv, clip_qkv] after their projections and norms (TINY's clip never
+    binds): with one that does, arch.pruned_kv of h_cut (then RoPE) and the prefill graph's K/V both equal the
+    cache the model itself writes in POP's reference."""
+    from transformers.models.olmoe.modeling_olmoe import apply_rotary_pos_emb
+
+    from popcompile.frontend.arch import pruned_kv
+
+    clip, cut = 0.3, 2
+    model = tiny_model("olmoe", clip_qkv=clip)
+    prompt = torch.randint(0, 97, (1, 9))
+    cache = reference.prefill_cache(model, prompt, cut)
+    pair = build_graphs(model, cut=cut, boundary="separate")
+    kv = run_graph(pair.prefill.module(), prompt, empty_past(pair.layout))
+    h_cut = model(prompt, output_hidden_states=True).hidden_states[cut]  # [1, 9, 64]
+    cos, sin = model.model.rotary_emb(h_cut, torch.arange(9)[None])
+    for index in range(cut, 4):
+        layer = model.model.layers[index]
+        with torch.no_grad():
+            k, v = pruned_kv(arch_spec(model.config), layer, h_cut,
+                             lambda x, a=layer.self_attn: (a.k_proj(x), a.v_proj(x)), 16)
+        assert k.abs().max() == clip and v.abs().max() == clip  # the clamp binds on both
+        k, v = (t.view(1, 9, 2, 16).transpose(1, 2) for t in (k, v))
+        k = apply_rotary_pos_emb(k, k, cos, sin)[1]
+        for got in ((k, v), (kv[2 * index], kv[2 * index + 1])):
+            torch.testing.assert_close(got[0], cache.layers[index].keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(got[1], cache.layers[index].values, atol=ATOL, rtol=0)

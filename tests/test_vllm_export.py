@@ -164,6 +164,16 @@ def test_a_mixture_of_experts_gets_its_pop_class_and_keeps_its_weights(model_typ
     assert any(".experts." in name for name in written)
 
 
+def test_a_family_the_onnx_engine_prunes_but_the_plugin_does_not_serve_is_named(tmp_path, capsys):
+    """OLMo 2 (post-norm layers, full-width q/k norms): the ONNX engine and torch.compile prune it, vLLM's
+    plugin has no POP class for it: one line naming its architecture, before anything is written."""
+    hf = tiny_hf_folder(tmp_path / "hf", "olmo2", layers=2, max_position_embeddings=512)
+    capsys.readouterr()  # save_pretrained's progress bar (shown until popcompile's CLI first hides it)
+    line = fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", "--cut", "1",
+                          "--kv-calibration", "none"], "Olmo2ForCausalLM has no POP class for vLLM yet")
+    assert "--target onnx" in line and not (tmp_path / "served").exists()
+
+
 def _unserved_moe(model_type: str, folder: Path) -> Path:
     """A tiny random checkpoint of a mixture of experts the plugin does not serve, from transformers' own
     classes."""
@@ -186,6 +196,7 @@ def test_a_mixture_of_experts_the_plugin_does_not_serve_is_refused_by_name(model
     """OLMoE, Qwen2-MoE (shared experts), gpt-oss: one line naming the model type, before anything is
     written; the plugin refuses a POP folder of one where it loads (check_served; tests_vllm: test_moe_*)."""
     hf = _unserved_moe(model_type, tmp_path / "hf")
+    capsys.readouterr()  # save_pretrained's progress bar (shown until popcompile's CLI first hides it)
     fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", "--cut", "1",
                    "--kv-calibration", "none"], repr(model_type))
     assert not (tmp_path / "served").exists()

@@ -26,11 +26,20 @@ TINY = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {
         "sliding_window": 4, "query_pre_attn_scalar": 16, "attn_logit_softcapping": ATTN_CAP,
         "final_logit_softcapping": LOGIT_CAP}),
-    # mixtures of experts: 8 experts of width 32, 2 per token
+    # post-norm layers (each branch's output normed before the residual add), full-width q/k norms; no pad or
+    # eos ids (OLMo's defaults, 1 and 50279, would mask a prompt's token 1, and sit off the vocabulary)
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {"eos_token_id": None,
+                                                                      "pad_token_id": None}),
+    # mixtures of experts: 8 experts of width 32, 2 per token (OLMoE: 4, routing not renormalised; its q/k
+    # norms are full-width RMS norms, so |q|, |k| <= sqrt(64) * ~1.1 and clip_qkv 10 never clamps: finite
+    # differences (test_analyze) fail at a clamp's kink; test_pass checks a clamp that does)
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, {
+        "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "norm_topk_prob": False,
+        "clip_qkv": 10.0, "eos_token_id": None, "pad_token_id": None}),
 }
 
 
@@ -39,7 +48,7 @@ TINY = {
 CAPPED = frozenset({"gemma2"})
 
 #: the mixtures of experts among TINY (their MLP is transformers' experts block: router + experts op)
-MOE = frozenset({"qwen3_moe", "mixtral"})
+MOE = frozenset({"qwen3_moe", "mixtral", "olmoe"})
 
 
 def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, seed=0, **overrides):

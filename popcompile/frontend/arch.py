@@ -14,18 +14,28 @@ class ArchSpec:
     # The model's forward accepts {"full_attention": mask, "sliding_attention": mask} (models with
     # config.layer_types); otherwise it takes one 4D mask for every layer.
     mask_mapping: bool
-    # Module names inside a decoder layer that the eager reference and POP+ calibration use.
-    input_norm: str = "input_layernorm"
+    # Module names inside a decoder layer that the eager reference and POP+ calibration use. input_norm
+    # None: a post-norm layer (OLMo 2) whose attention reads the residual stream itself.
+    input_norm: str | None = "input_layernorm"
     k_proj: str = "self_attn.k_proj"
     v_proj: str = "self_attn.v_proj"
-    # The per-head RMS norm applied to K before RoPE (Qwen3, Gemma 3), None where there is none.
+    # The RMS norm applied to K before RoPE, None where there is none; over each head's D values
+    # (k_norm_width "head": Qwen3, Gemma 3) or over the whole projection, H_kv * D ("full": OLMo 2, OLMoE).
     k_norm: str | None = None
+    k_norm_width: str = "head"
+    # The config key of a clamp of q, k and v to [-clip, clip] right after their projections and norms
+    # (OLMoE's clip_qkv; no clamp where the config's value is None), None where the family has none.
+    clip_qkv: str | None = None
     # Norms on each branch's output before the residual add (Gemma 3's post-attention / post-feedforward
     # "sandwich" norms): the residual stream is then not rotation invariant (SliceGPT refuses it).
     branch_output_norms: bool = False
     # the vision-language model this decoder is the text part of (frontend/vision.py), None for a model
     # loaded on its own
     part_of: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.k_norm_width not in ("head", "full"):
+            raise ValueError(f"ArchSpec.k_norm_width must be 'head' or 'full', got {self.k_norm_width!r}")
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -44,6 +54,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         # Gemma 2: Gemma 3's sandwich norms without a k-norm; attention scores soft-capped
         # (attention_implementation), final logits soft-capped (finish_logits)
         ArchSpec("gemma2", mask_mapping=True, branch_output_norms=True),
+
+
+        # post-norm layers: no input norm, each branch's output normed before the residual add
+        ArchSpec("olmo2", mask_mapping=False, input_norm=None, k_norm="self_attn.k_norm", k_norm_width="full",
+                 branch_output_norms=True),
+        ArchSpec("olmoe", mask_mapping=False, k_norm="self_attn.k_norm", k_norm_width="full",
+                 clip_qkv="clip_qkv"),
         # Qwen3-VL's text decoder (frontend/vision.py: the model around it)
         ArchSpec("qwen3_vl_text", mask_mapping=False, k_norm="self_attn.k_norm", part_of="qwen3_vl"),
     )
@@ -85,16 +102,22 @@ def pruned_kv(spec: ArchSpec, layer, h_cut, project, head_dim: int):
     """POP's cache rows of a pruned layer, before RoPE: the one recipe (passes/pop.py rewires graphs to it;
     kvfit/distill.py trains through it; vllm_plugin/model.py serves with it).
 
-        x = input_norm(h_cut)                      [..., d]
+        x = input_norm(h_cut), or h_cut itself      [..., d]  (post-norm layers have no input norm)
         k, v = project(x)                          [..., H_kv * D] each (the layer's k/v projections or a fit)
-        k = k_norm(k) per head, where spec has one  over D of [..., H_kv, D]
+        k = k_norm(k), where spec has one          over D of [..., H_kv, D] ("head") or all H_kv * D ("full")
+        k, v = clamp(k, v, -clip, clip)            where spec names a clip and the config sets it
 
     ``layer``: a decoder layer with the table's module names (Hugging Face's, and vLLM's for ``input_norm``
     and ``k_norm``). Returns k, v [..., H_kv * D]; each caller applies RoPE in its own layout."""
-    x = layer.get_submodule(spec.input_norm)(h_cut)
+    x = h_cut if spec.input_norm is None else layer.get_submodule(spec.input_norm)(h_cut)
     k, v = project(x)
     if spec.k_norm is not None:
-        k = layer.get_submodule(spec.k_norm)(k.view(*k.shape[:-1], -1, head_dim)).view(k.shape)
+        norm = layer.get_submodule(spec.k_norm)
+        heads = k.view(*k.shape[:-1], -1, head_dim)  # [..., H_kv, D]
+        k = norm(k) if spec.k_norm_width == "full" else norm(heads).view(k.shape)
+    clip = qkv_clip(spec, layer)
+    if clip is not None:
+        k, v = k.clamp(-clip, clip), v.clamp(-clip, clip)
     return k, v
 
 
@@ -126,6 +149,15 @@ def finish_logits(config, logits):
     if cap is not None:
         logits = (logits / cap).tanh() * cap  # a tensor method: this table imports no torch
     return logits
+
+
+def qkv_clip(spec: ArchSpec, layer) -> float | None:
+    """The clamp bound of the layer's q/k/v (``spec.clip_qkv`` read from its attention module's config), None
+    for no clamp."""
+    if spec.clip_qkv is None:
+        return None
+    attention = layer.get_submodule(spec.k_proj.rsplit(".", 1)[0])
+    return getattr(attention.config, spec.clip_qkv, None)
 
 
 def layer_kinds(config) -> list[str]:

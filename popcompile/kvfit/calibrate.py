@@ -1,6 +1,7 @@
 """POP+: closed-form refit of the pruned layers' K/V projections (zero inference overhead).
 
-POP's prefill feeds every deep layer ``x = input_norm_l(h_cut)`` instead of ``input_norm_l(h_l)``.
+POP's prefill feeds every deep layer ``x = input_norm_l(h_cut)`` instead of ``input_norm_l(h_l)`` (``h_cut``
+itself in a post-norm layer, which has no input norm: OLMo 2).
 For each layer ``l > cut`` (layer ``cut`` reads ``h_cut`` in the full model too) we fit, on calibration
 text run through the full model,
 
@@ -138,6 +139,7 @@ def ridge_fit(
 #     X^T X = S'_l (N_c^T N_c) S'_l,    X^T Y_l = S'_l (N_c^T Y_l)
 # N_c^T N_c depends only on the cut, N_c^T Y_l on the cut and the layer: one pass over the corpus
 # accumulates both for every cut, and each cut's fit is then ridge_solve on these moments.
+# A post-norm layer (OLMo 2: no input norm, ArchSpec.input_norm None) projects h itself: n(h) = h, s_l = 1.
 # Memory (float64): sum over cuts of (d+1)^2 + (d+1) * 2 * kv_width * (L-1-c); SmolLM2, cuts 15..28:
 # 15 * 2.7 MB + 105 * 1.8 MB = 226 MB; Gemma-3-270M, cuts 9..16: 8 * 3.3 MB + 36 * 2.6 MB = 120 MB.
 
@@ -165,8 +167,8 @@ def norm_scale(norm: torch.nn.Module, width: int) -> torch.Tensor:
     return norm(ones)[0].double().cpu() * (1.0 + norm_eps(norm)) ** 0.5
 
 
-def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
-    got, want = scale * rms_unit(h.cpu(), eps), norm(h).cpu().double()
+def _check_factorises(norm: torch.nn.Module, h: torch.Tensor, scale: torch.Tensor, unit: Callable) -> None:
+    got, want = scale * unit(h.cpu()), norm(h).cpu().double()
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     if err > 1e-4:
         raise UnsupportedModelError(f"{type(norm).__name__}(h) is not s * rms_unit(h) (relative error "
@@ -218,10 +220,17 @@ class CutMoments:
         if not self.cuts or not all(1 <= c < self.num_layers for c in self.cuts):
             raise ConfigError(f"cuts {self.cuts} must be non-empty and within 1..{self.num_layers - 1} "
                               "(a cut of L prunes nothing)")
-        self.norms = [layer.get_submodule(spec.input_norm) for layer in layers]
         self.projs = [[layer.get_submodule(getattr(spec, part)) for part in PARTS] for layer in layers]
-        width, self.eps = model.config.get_text_config().hidden_size, norm_eps(self.norms[0])  # a VLM's text
-        self.scales = [norm_scale(norm, width) for norm in self.norms]
+        width = model.config.get_text_config().hidden_size  # a VLM's text decoder's
+        if spec.input_norm is None:  # post-norm layers: the projections read h itself, n(h) = h, s = 1
+            self.norms = [torch.nn.Identity() for _ in layers]
+            self.unit = lambda h: h.double()
+            self.scales = [torch.ones(width, dtype=torch.float64) for _ in layers]
+        else:
+            self.norms = [layer.get_submodule(spec.input_norm) for layer in layers]
+            eps = norm_eps(self.norms[0])
+            self.unit = lambda h: rms_unit(h, eps)
+            self.scales = [norm_scale(norm, width) for norm in self.norms]
         self.split = self.projs[-1][0].out_features  # K columns, then V columns
         self.moments = _AllCutMoments(self.cuts, self.num_layers, width,
                                       self.split + self.projs[-1][1].out_features,
@@ -234,14 +243,14 @@ class CutMoments:
         ``ids``."""
         if self.tokens == 0:
             # a pair the fits use
-            _check_factorises(self.norms[-1], hidden[self.cuts[0]], self.scales[-1], self.eps)
+            _check_factorises(self.norms[-1], hidden[self.cuts[0]], self.scales[-1], self.unit)
         self.digest.update(ids.cpu().numpy().tobytes())
         self.tokens += ids.numel()
         targets, device = {}, self.moments.device
         for l in range(self.cuts[0] + 1, self.num_layers):
             x_true = self.norms[l](hidden[l])
             targets[l] = torch.cat([p(x_true) for p in self.projs[l]], dim=1).to(device).double()
-        self.moments.add({c: rms_unit(hidden[c].to(device), self.eps) for c in self.cuts}, targets)
+        self.moments.add({c: self.unit(hidden[c].to(device)) for c in self.cuts}, targets)
 
     def fits(self) -> dict[int, KVFit]:
         """``{cut: its ridge fit}`` from what was added."""

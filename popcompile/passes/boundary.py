@@ -69,11 +69,16 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
     if cut == len(layers):
         return BoundaryResult(gm, cut, len(layers), seq)
     copier = _LastPosition(gm.graph, seq)
-    h_cut = layers[cut].input
-    copier.seed(h_cut, _slice(gm.graph, h_cut, seq_dim, -1, None))
+    h_cut, nodes = layers[cut].input, list(gm.graph.nodes)  # the graph's own nodes, before the seed's
+    # x̄ of h_cut, copied contiguous: a post-norm layer (OLMo 2) feeds it to q_proj's linear directly, and a
+    # strided view into linear makes export guard B != 1 and N != 1 (as in _split_projection)
+    last = _slice(gm.graph, h_cut, seq_dim, -1, None)
+    with gm.graph.inserting_after(last):
+        contiguous = gm.graph.call_function(torch.clone, (last,), {"memory_format": torch.contiguous_format})
+    copier.seed(h_cut, contiguous)
     kv_inputs = {}
     deep = {n: layer.index for layer in layers[cut:] for n in layer.nodes}
-    for node in list(gm.graph.nodes):
+    for node in nodes:
         index = deep.get(node)
         if index is not None and index > cut and layers[index].nodes[0] is node:
             kv_inputs[index] = _kv_input(gm.graph, node, h_cut, copier.last[layers[index].input], seq_dim)

@@ -18,6 +18,10 @@ import torch.fx as fx
 
 _LAYER_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.(.+))?$")
 INPUT_NORM = "input_layernorm"
+#: what reads a post-norm layer's input (OLMo 2: no input norm; the attention's projections read the residual
+#: stream itself), and of those the ones that make the cache
+ATTENTION_INPUTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+KV_INPUTS = ("self_attn.k_proj", "self_attn.v_proj")
 _CALLS = ("call_function", "call_method")
 
 
@@ -71,7 +75,8 @@ class Layer:
 
     index: int
     nodes: list[fx.Node] = field(default_factory=list)
-    input: fx.Node | None = None  # the outside input of its input_layernorm
+    input: fx.Node | None = None  # the outside input of its input_layernorm (or of its q/k/v projections)
+    post_norm: bool = False  # no input_layernorm: the projections read ``input`` themselves
 
     def parts(self) -> Counter:
         """Node count by part ("self_attn.k_proj", "mlp", ...)."""
@@ -80,13 +85,20 @@ class Layer:
     def nodes_in(self, part: str) -> list[fx.Node]:
         return [n for n in self.nodes if layer_part(n)[1] == part]
 
+    def kv_readers(self) -> list[fx.Node]:
+        """The nodes through which the layer's cache side reads ``input``: its input norm's, or a post-norm
+        layer's k/v projections (the ones POP points at h_cut)."""
+        parts = KV_INPUTS if self.post_norm else (INPUT_NORM,)
+        return [n for n in self.nodes if layer_part(n)[1] in parts and self.input in n.all_input_nodes]
+
 
 def find_layers(graph: fx.Graph) -> list[Layer]:
     """All decoder layers of a graph, in index order, each with its input hidden state.
 
     The layer input is found as the node outside ``input_layernorm`` that the norm's nodes read:
     not as "the previous layer's last node", since the residual add may read a no-op cast that is
-    tagged as part of the norm.
+    tagged as part of the norm. A post-norm layer (no ``input_layernorm`` nodes: OLMo 2) reads its input
+    in the attention's q/k/v projections: the one outside node they read.
     """
     layers: dict[int, Layer] = {}
     for node in graph.nodes:
@@ -97,22 +109,27 @@ def find_layers(graph: fx.Graph) -> list[Layer]:
     if [layer.index for layer in ordered] != list(range(len(ordered))):
         raise ValueError(f"decoder layers are not numbered 0..L-1: found {sorted(layers)}")
     for layer in ordered:
-        layer.input = _norm_input(layer)
+        layer.post_norm = not layer.nodes_in(INPUT_NORM)
+        layer.input = _layer_input(layer)
     return ordered
 
 
-def _norm_input(layer: Layer) -> fx.Node:
-    norm_nodes = set(layer.nodes_in(INPUT_NORM))
-    if not norm_nodes:
-        raise ValueError(f"layer {layer.index} has no '{INPUT_NORM}' nodes: not a pre-norm decoder layer")
+def _layer_input(layer: Layer) -> fx.Node:
+    """The one node outside the input norm (a post-norm layer: outside its q/k/v projections) that its nodes
+    read, weights and epsilons aside."""
+    parts = ATTENTION_INPUTS if layer.post_norm else (INPUT_NORM,)
+    readers = {n for n in layer.nodes if layer_part(n)[1] in parts}
+    if not readers:
+        raise ValueError(f"layer {layer.index} has no '{INPUT_NORM}' nodes and no attention projections "
+                         f"({', '.join(ATTENTION_INPUTS)}): not a decoder layer popcompile reads")
     outside = {
         arg
-        for node in norm_nodes
+        for node in readers
         for arg in node.all_input_nodes
-        if arg not in norm_nodes and arg.op not in ("get_attr", "placeholder")  # weights, eps
+        if arg not in readers and arg.op not in ("get_attr", "placeholder")  # weights, eps
     }
     if len(outside) != 1:
         names = sorted(a.name for a in outside)
-        raise ValueError(f"layer {layer.index}: expected one hidden-state input to '{INPUT_NORM}', "
+        raise ValueError(f"layer {layer.index}: expected one hidden-state input to '{' / '.join(parts)}', "
                          f"found {names}")
     return outside.pop()

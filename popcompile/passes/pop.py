@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..config import resolve_cut
-from .layers import INPUT_NORM, Layer, find_layers, is_logits, module_path
+from .layers import Layer, find_layers, is_logits, module_path
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,11 @@ def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) 
 
 
 def rewire_deep_layers(layers: list, cut: int, source: Callable[[Layer], fx.Node]) -> None:
-    """The core of POP: the input norm of every layer ``l > cut`` reads ``source(layer)`` (``h_cut``)
-    instead of the previous layer's output, so its K/V are projections of that state."""
+    """The core of POP: the input norm of every layer ``l > cut`` (a post-norm layer's k/v projections)
+    reads ``source(layer)`` (``h_cut``) instead of the previous layer's output, so its K/V are projections
+    of that state."""
     for layer in layers[cut + 1:]:
-        for node in layer.nodes_in(INPUT_NORM):
+        for node in layer.kv_readers():
             node.replace_input_with(layer.input, source(layer))
 
 
