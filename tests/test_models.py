@@ -137,6 +137,16 @@ def test_bert_folder_is_unsupported(tmp_path: Path) -> None:
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("model_type, attention", [("gemma2", "eager"), ("granite", "sdpa")])
+def test_a_folder_loads_with_the_attention_its_family_allows(tmp_path: Path, model_type, attention) -> None:
+    """Gemma 2's soft-capped attention: transformers refuses SDPA, so the loader picks eager there."""
+    from tiny_engine import tiny_hf_folder
+
+    loaded = load_model(str(tiny_hf_folder(tmp_path / model_type, model_type)))
+    assert loaded.model.config.model_type == model_type
+    assert loaded.model.config._attn_implementation == attention
+
+
 def test_multimodal_gemma3_folder_is_unsupported(tmp_path: Path) -> None:
     folder = _write_config(tmp_path / "gemma3", {"model_type": "gemma3"})
     with pytest.raises(UnsupportedModelError, match="gemma3_text"):

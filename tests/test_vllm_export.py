@@ -140,14 +140,19 @@ def test_an_architecture_without_a_pop_class_is_named():
     assert pop_architecture(SimpleNamespace(model=model)) == "PopQwen3ForCausalLM"
 
 
-@pytest.mark.parametrize("architecture", ["GraniteForCausalLM", "Gemma2ForCausalLM"])
-def test_granite_and_gemma2_are_refused_by_name(architecture):
-    """popcompile exports them as ONNX engines; its vLLM plugin has no POP class for them (multipliers and
-    logits_scaling; soft-capped attention), so the exporter names the class in one line."""
-    model = SimpleNamespace(config=SimpleNamespace(architectures=[architecture]))
-    with pytest.raises(UnsupportedModelError, match=f"^{architecture} has no POP class for vLLM yet") as err:
-        pop_architecture(SimpleNamespace(model=model))
+@pytest.mark.parametrize("model_type, architecture", [("granite", "GraniteForCausalLM"),
+                                                       ("gemma2", "Gemma2ForCausalLM")])
+def test_granite_and_gemma2_are_refused_by_name(model_type, architecture):
+    """popcompile exports them as ONNX engines; its vLLM plugin does not serve them (multipliers and
+    logits_scaling; soft-capped attention): one line naming the family, from the exporter and from the plugin
+    where a config.json names a stock POP class over one."""
+    config = SimpleNamespace(architectures=[architecture], model_type=model_type)
+    match = f"model_type {model_type!r}: popcompile's vLLM plugin does not serve it"
+    with pytest.raises(UnsupportedModelError, match=match) as err:
+        pop_architecture(SimpleNamespace(model=SimpleNamespace(config=config)))
     assert "\n" not in str(err.value) and "--target onnx" in str(err.value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        check_served("PopLlamaForCausalLM", config)
 
 
 @pytest.mark.parametrize("model_type, pop_class", [("qwen3_moe", "PopQwen3MoeForCausalLM"),

@@ -51,6 +51,12 @@ UNSERVED_MOE = {"olmoe": "OLMoE (full-width q/k norms and clip_qkv)",
                 "qwen2_moe": "Qwen2-MoE (shared experts)",
                 "gpt_oss": "gpt-oss (attention sinks; biased MXFP4 experts with a clamped SwiGLU)"}
 
+# families popcompile compiles (ONNX engines, torch.compile) but its vLLM plugin does not serve (model_type ->
+# the family and what a stock POP class would drop), refused by name: by the exporter, and where a folder
+# whose config.json names a POP class loads
+UNSERVED_FAMILIES = {"granite": "Granite (embedding, residual and attention multipliers; logits_scaling)",
+                     "gemma2": "Gemma 2 (soft-capped attention and logits)"}
+
 
 def check_served(architecture: str | None, hf_config: Any) -> None:
     """UnsupportedModelError, one line, unless the POP class ``architecture`` serves ``hf_config`` as
@@ -58,6 +64,10 @@ def check_served(architecture: str | None, hf_config: Any) -> None:
     mixture of experts class over another family's config, or a config field its vLLM class does not read
     (``MOE_FAMILIES``). Called by the exporter and, where a POP folder loads, by ``PopConfigHook``."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in UNSERVED_FAMILIES:
+        raise UnsupportedModelError(
+            f"{UNSERVED_FAMILIES[model_type]}, model_type {model_type!r}: popcompile's vLLM plugin does not "
+            "serve it; export it with --target onnx, or serve it with vLLM without POP")
     if model_type in UNSERVED_MOE:
         raise UnsupportedModelError(
             f"{UNSERVED_MOE[model_type]}, model_type {model_type!r}: a mixture of experts popcompile's vLLM "
