@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .frontend.arch import finish_logits
 from .frontend.capture import cache_keyword, use_attention
 from .frontend.vision import ImageInputs, VisionPrompt, check_cut, encode_prompt, vision_spec
 
@@ -173,7 +174,7 @@ class VisionFeed:
         hidden = self.text(inputs_embeds=embeds, position_ids=torch.cat([rows, positions]), use_cache=True,
                            visual_pos_masks=visual, deepstack_visual_embeds=deepstack,
                            **{cache_keyword(self.text): cache}).last_hidden_state
-        return self.model.get_output_embeddings()(hidden)
+        return finish_logits(self.model.config, self.model.get_output_embeddings()(hidden))
 
 
 def _at_positions(features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
