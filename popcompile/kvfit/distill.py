@@ -34,9 +34,9 @@ cache holds
 
 (arch.pruned_kv: no input norm in a post-norm layer, OLMo 2; k and v clamped where the family clips them,
 OLMoE) (layer ``cut`` keeps its own weights: it reads ``h_cut`` in the full model too). Adam on one window
-per step; a held-out share of the windows is scored every ``eval_every`` steps (KL, first-token agreement and matched
-prefix against ``targets``); the best weights by ``select`` are kept, and training stops after ``patience``
-scores without improvement.
+per step; a held-out share of the windows is scored every ``eval_every`` steps (KL, first-token agreement
+and matched prefix against ``targets``); the best weights by ``select`` are kept, and training stops after
+``patience`` scores without improvement.
 """
 from __future__ import annotations
 
