@@ -32,10 +32,11 @@ cache holds
 
     k_l = RoPE_l(k_norm_l(input_norm_l(h_cut) W'_K^T + b'_K)),   v_l = input_norm_l(h_cut) W'_V^T + b'_V
 
-(layer ``cut`` keeps its own weights: it reads ``h_cut`` in the full model too). Adam on one window per step;
-a held-out share of the windows is scored every ``eval_every`` steps (KL, first-token agreement and matched
-prefix against ``targets``); the best weights by ``select`` are kept, and training stops after ``patience``
-scores without improvement.
+(arch.pruned_kv: no input norm in a post-norm layer, OLMo 2; k and v clamped where the family clips them,
+OLMoE) (layer ``cut`` keeps its own weights: it reads ``h_cut`` in the full model too). Adam on one window
+per step; a held-out share of the windows is scored every ``eval_every`` steps (KL, first-token agreement
+and matched prefix against ``targets``); the best weights by ``select`` are kept, and training stops after
+``patience`` scores without improvement.
 """
 from __future__ import annotations
 
