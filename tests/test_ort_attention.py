@@ -263,8 +263,11 @@ def test_soft_capped_and_scaled_families_generate_the_reference_through_the_engi
     session = OrtSession(engines.tiny(model_type, max_seq=64))
     assert session.manifest.cut == LAYERS - 1
     sampling = SamplingConfig(max_new_tokens=new)
-    assert session.generate([prompt], sampling)[0].token_ids == reference.generate(
-        model, ids, new, reference.Variant(cut=LAYERS - 1))
+    want = [reference.generate(model, torch.tensor([p]), new, reference.Variant(cut=LAYERS - 1))
+            for p in (prompt, prompt[4:])]
+    assert session.generate([prompt], sampling)[0].token_ids == want[0]
+    # a left-padded batch of two lengths: padding reaches the capped scores through the mask only
+    assert [r.token_ids for r in session.generate([prompt, prompt[4:]], sampling)] == want
     full = model.generate(ids, max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
     assert session.generate([prompt], sampling, mode="full")[0].token_ids == full
     layers = session.manifest.attention["layers"]
