@@ -155,11 +155,18 @@ def test_granite_and_gemma2_are_refused_by_name(model_type, architecture):
         check_served("PopLlamaForCausalLM", config)
 
 
+#: what a served family's tiny checkpoint changes from tests/tiny.py's: OLMoE's clip_qkv and tied embeddings,
+#: which vLLM's class would ignore (settings.MOE_FAMILIES refuses them)
+SERVED_CONFIG = {"olmoe": {"clip_qkv": None, "tie_word_embeddings": False}}
+
+
 @pytest.mark.parametrize("model_type, pop_class", [("qwen3_moe", "PopQwen3MoeForCausalLM"),
-                                                   ("mixtral", "PopMixtralForCausalLM")])
+                                                   ("mixtral", "PopMixtralForCausalLM"),
+                                                   ("olmoe", "PopOlmoeForCausalLM")])
 def test_a_mixture_of_experts_gets_its_pop_class_and_keeps_its_weights(model_type, pop_class, tmp_path):
     """tests_vllm/test_vllm_plugin.py serves these folders (test_moe_*)."""
-    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=LAYERS, max_position_embeddings=512)
+    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=LAYERS, max_position_embeddings=512,
+                        **SERVED_CONFIG.get(model_type, {}))
     config = export(hf, tmp_path / "served", "--kv-calibration", "none")
     assert config["architectures"] == [pop_class] and config["popcompile"]["cut"] == 3
     assert MOE_FAMILIES[pop_class][0] == model_type  # the plugin's check of what the folder's class serves
@@ -184,8 +191,7 @@ def _unserved_moe(model_type: str, folder: Path) -> Path:
     classes."""
     import transformers
 
-    classes = {"olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
-               "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    classes = {"qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
                "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
     config_cls, model_cls = classes[model_type]
     config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=32, moe_intermediate_size=32,
@@ -198,7 +204,7 @@ def _unserved_moe(model_type: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("model_type", sorted(UNSERVED_MOE))
 def test_a_mixture_of_experts_the_plugin_does_not_serve_is_refused_by_name(model_type, tmp_path, capsys):
-    """OLMoE, Qwen2-MoE (shared experts), gpt-oss: one line naming the model type, before anything is
+    """Qwen2-MoE (shared experts), gpt-oss: one line naming the model type, before anything is
     written; the plugin refuses a POP folder of one where it loads (check_served; tests_vllm: test_moe_*)."""
     hf = _unserved_moe(model_type, tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar (shown until popcompile's CLI first hides it)
@@ -212,12 +218,18 @@ def test_a_mixture_of_experts_the_plugin_does_not_serve_is_refused_by_name(model
 
 @pytest.mark.parametrize("model_type, field, value", [("qwen3_moe", "shared_expert_intermediate_size", 32),
                                                       ("qwen3_moe", "hidden_act", "gelu"),
-                                                      ("mixtral", "hidden_act", "gelu")])
+                                                      ("mixtral", "hidden_act", "gelu"),
+                                                      ("olmoe", "clip_qkv", 10.0),
+                                                      ("olmoe", "tie_word_embeddings", True),
+                                                      ("olmoe", "norm_topk_prob", True),
+                                                      ("olmoe", "rms_norm_eps", 1e-6)])
 def test_a_moe_checkpoint_vllm_would_serve_otherwise_is_refused(model_type, field, value, tmp_path, capsys):
     """vLLM's Qwen3-MoE and Mixtral classes run SiLU experts whatever hidden_act says, and its Qwen3-MoE adds
-    a shared expert when the config sizes one (transformers' has none): such a checkpoint is refused by the
-    exporter, before the fit, rather than served with other experts than the reference's."""
-    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=2, max_position_embeddings=512, **{field: value})
+    a shared expert when the config sizes one (transformers' has none); its OLMoE clamps nothing, ties no
+    head, never renormalises the top-k weights and builds its norms at eps 1e-5: such a checkpoint is refused
+    by the exporter, before the fit, rather than served otherwise than the reference computes it."""
+    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=2, max_position_embeddings=512,
+                        **{**SERVED_CONFIG.get(model_type, {}), field: value})
     line = fails(capsys, ["export", hf, "--out", tmp_path / "served", "--target", "vllm", "--cut", "1"],
                  f"with {field}={value!r}")
     assert "not supported" in line and not (tmp_path / "served").exists()

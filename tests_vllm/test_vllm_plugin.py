@@ -43,7 +43,8 @@ COVERED = {"LlamaForCausalLM": "test_pop_equals_the_reference_batched_and_in_chu
            "Qwen3ForCausalLM": "test_tiny_architecture_equals_the_reference[qwen3]",
            "Gemma3ForCausalLM": "test_gemma3_equals_the_reference_across_its_sliding_window",
            "Qwen3MoeForCausalLM": "test_moe_pop_equals_the_reference_and_skips_the_pruned_experts[qwen3_moe]",
-           "MixtralForCausalLM": "test_moe_pop_equals_the_reference_and_skips_the_pruned_experts[mixtral]"}
+           "MixtralForCausalLM": "test_moe_pop_equals_the_reference_and_skips_the_pruned_experts[mixtral]",
+           "OlmoeForCausalLM": "test_moe_pop_equals_the_reference_and_skips_the_pruned_experts[olmoe]"}
 
 
 def test_every_served_architecture_has_a_test():
@@ -363,7 +364,10 @@ def test_vllm_sample_exports_and_generates_the_reference_text(tmp_path):
 MOE_LAYERS, MOE_CUT = 6, 4
 #: each family's MoE block in a vLLM decoder layer (router and experts: its gate and experts), whose rows
 #: the engine counts
-MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "olmoe": "mlp"}
+#: what a family's tiny checkpoint changes from tests/tiny.py's for vLLM: OLMoE's clip_qkv, which vLLM's class
+#: does not apply, and tied embeddings, which it does not tie (settings.MOE_FAMILIES refuses either)
+MOE_CONFIG = {"olmoe": {"clip_qkv": None, "tie_word_embeddings": False}}
 #: the cuts served per family: the default, L-1, and the full model through the POP class (cut L)
 MOE_CUTS = {"pop": MOE_CUT, "last": MOE_LAYERS - 1, "full": MOE_LAYERS}
 
@@ -375,12 +379,13 @@ def moe_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> dict:
-    """Tiny random Qwen3-MoE and Mixtral (6 layers, 8 experts of width 32, 2 per token) and their folders, all
-    served by ONE engine process (greedy.py, one folder after the other, vLLM imported once: eight engines
-    and two refused starts in one process; started in the background while the tests compute their
-    references): per family the default cut, cut L-1 and the full model (cut L) of the POP class; Qwen3-MoE's
-    POP+ folder at the default cut, and its POP folder compiled (vLLM's default mode); then two folders the
-    plugin must refuse to start.
+    """Tiny random Qwen3-MoE, Mixtral (6 layers, 8 experts of width 32, 2 per token) and OLMoE (4 experts,
+    top-k weights not renormalised, full-width q/k norms) and their folders, all served by ONE engine process
+    (greedy.py, one folder after the other, vLLM imported once: eleven engines and three refused starts in
+    one process; started in the background while the tests compute their references): per family the
+    default cut, cut L-1 and the full model (cut L) of the POP class; Qwen3-MoE's POP+ folder at the default
+    cut, and its POP folder compiled (vLLM's default mode); then three folders the plugin must refuse to
+    start.
 
     Shapes: head_dim 32 (the CPU attention backend's smallest) x 4 heads, so hidden 128: vLLM's CPU experts
     kernel (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts, the one it picks here) wants a hidden width
@@ -393,7 +398,8 @@ def moe(tmp_path_factory) -> dict:
     families = {}
     for model_type in MOE_BLOCKS:
         hf = tiny_hf_folder(root / model_type / "hf", model_type, layers=MOE_LAYERS, head_dim=32,
-                            max_position_embeddings=512, initializer_range=0.1, eos=False)
+                            max_position_embeddings=512, initializer_range=0.1, eos=False,
+                            **MOE_CONFIG.get(model_type, {}))
         loaded = load(hf)
         folders = {name: export(loaded, root / model_type / name, cut=None if name == "pop" else cut)
                    for name, cut in MOE_CUTS.items()}  # cut None: the default cut
@@ -413,7 +419,8 @@ def moe(tmp_path_factory) -> dict:
              {"folder": str(qwen["folders"]["pop"]), "prompts": prompts,
               "engine_args": {"enforce_eager": False}}]
     refused = {"qwen2_moe": _pop_folder_of_qwen2_moe(root / "qwen2_moe"),
-               "gelu": _with_config(families["mixtral"]["folders"]["pop"], root / "gelu", hidden_act="gelu")}
+               "gelu": _with_config(families["mixtral"]["folders"]["pop"], root / "gelu", hidden_act="gelu"),
+               "clip_qkv": _with_config(families["olmoe"]["folders"]["pop"], root / "clip", clip_qkv=10.0)}
     jobs += [{"folder": str(folder), "probe": "start"} for folder in refused.values()]
     index = {(job["folder"], job.get("probe"), bool(job.get("engine_args"))): i for i, job in enumerate(jobs)}
     run = start(engine, root / "engine", Path(jobs[0]["folder"]), jobs, NEW, max_num_batched_tokens=128,
@@ -495,6 +502,7 @@ def test_moe_compiled_pop_equals_the_reference(moe):
     ("qwen2_moe", "Qwen2-MoE (shared experts), model_type 'qwen2_moe': a mixture of experts popcompile's "
                   "vLLM plugin does not serve"),
     ("gelu", "MixtralForCausalLM with hidden_act='gelu': vLLM's fused experts compute SiLU"),
+    ("clip_qkv", "OlmoeForCausalLM with clip_qkv=10.0: vLLM's class does not clamp q, k and v"),
 ])
 def test_moe_folders_the_plugin_does_not_serve_are_refused_at_startup(moe, case, culprit):
     """A POP folder of a mixture of experts the plugin does not serve (made by hand: the exporter refuses

@@ -92,8 +92,9 @@ class PopKV(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, cut: int, fitted: bool = False):
         super().__init__()
         self.cut = cut
-        # input_norm and k_norm, as the pass reads them
-        self.spec = arch_spec(vllm_config.model_config.hf_config)
+        # input_norm and k_norm, as the pass reads them; no clamp: vLLM's classes apply none (OLMoE's), and
+        # settings.check_served refuses a config that sets one
+        self.spec = dataclasses.replace(arch_spec(vllm_config.model_config.hf_config), clip_qkv=None)
         self.layers = nn.ModuleList(_kv_pair(layer.self_attn, fitted) for layer in model.layers[cut:])
         self.deep = model.layers[cut:]  # the stock layers: input_layernorm, rotary_emb, k_norm
 

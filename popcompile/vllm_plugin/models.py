@@ -13,6 +13,7 @@ from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.mixtral import MixtralForCausalLM
+from vllm.model_executor.models.olmoe import OlmoeForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -95,4 +96,8 @@ class PopQwen3MoeForCausalLM(_PopMixin, Qwen3MoeForCausalLM):
 
 
 class PopMixtralForCausalLM(_PopMixin, MixtralForCausalLM):
+    pass
+
+
+class PopOlmoeForCausalLM(_PopMixin, OlmoeForCausalLM):
     pass

@@ -30,7 +30,8 @@ POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM", "PopMistralForCa
                      "PopGemma3ForCausalLM": "Gemma3ForCausalLM",
                      # mixtures of experts: the deep layers' routers and experts run on the survivors only
                      "PopQwen3MoeForCausalLM": "Qwen3MoeForCausalLM",
-                     "PopMixtralForCausalLM": "MixtralForCausalLM"}
+                     "PopMixtralForCausalLM": "MixtralForCausalLM",
+                     "PopOlmoeForCausalLM": "OlmoeForCausalLM"}
 BASE_TO_POP = {base: pop for pop, base in POP_ARCHITECTURES.items()}
 
 # The mixtures of experts served: POP class -> (model_type, {config field: (the one value served, why)}).
@@ -44,11 +45,20 @@ MOE_FAMILIES = {
         "shared_expert_intermediate_size": (0, "vLLM's class adds a shared expert that transformers' "
                                                "Qwen3-MoE does not have")}),
     "PopMixtralForCausalLM": ("mixtral", {"hidden_act": _SILU}),
+    # vLLM's OLMoE: no clamp of q/k/v, every RMS norm at eps 1e-5, the router's top-k weights as the softmax
+    # gives them (renormalize=False), no attention bias, an LM head of its own (a tied checkpoint, which saves
+    # no lm_head.weight, would leave it unloaded: measured, every token wrong)
+    "PopOlmoeForCausalLM": ("olmoe", {
+        "tie_word_embeddings": (False, "vLLM's class never ties lm_head to the embeddings"),
+        "hidden_act": _SILU,
+        "clip_qkv": (None, "vLLM's class does not clamp q, k and v"),
+        "rms_norm_eps": (1e-5, "vLLM's class builds every RMS norm with eps 1e-5"),
+        "norm_topk_prob": (False, "vLLM's class never renormalises the router's top-k weights"),
+        "attention_bias": (False, "vLLM's class has no q/k/v/o bias")}),
 }
 # mixtures of experts the plugin does not serve (model_type -> the family and what it lacks), refused by name
 # where a POP folder of one loads (vLLM serves them without POP)
-UNSERVED_MOE = {"olmoe": "OLMoE (full-width q/k norms and clip_qkv)",
-                "qwen2_moe": "Qwen2-MoE (shared experts)",
+UNSERVED_MOE = {"qwen2_moe": "Qwen2-MoE (shared experts)",
                 "gpt_oss": "gpt-oss (attention sinks; biased MXFP4 experts with a clamped SwiGLU)"}
 
 # families popcompile compiles (ONNX engines, torch.compile) but its vLLM plugin does not serve (model_type ->
