@@ -28,7 +28,7 @@ from vllm.compilation.decorators import support_torch_compile
 
 from ..frontend.arch import arch_spec, pruned_kv
 from .attention import survivor_backend, survivor_slots, survivors, warming_up, write_kv
-from .settings import KV_PREFIX
+from .settings import KV_PREFIX, StockStack
 
 
 def deep_attention(model: nn.Module, cut: int) -> list[nn.Module]:
@@ -45,22 +45,34 @@ def use_survivor_backend(model: nn.Module, cut: int) -> None:
 class _Stack(nn.Module):
     """Decoder layers ``first..last-1`` of the stock stack, compiled as one unit under vLLM's torch.compile
     (``support_torch_compile``; plain modules under ``enforce_eager``). The layers are the stock modules,
-    registered here a second time (named_parameters keeps the stock names, as for Gemma 3n's decoders)."""
+    registered here a second time (named_parameters keeps the stock names, as for Gemma 3n's decoders).
+    ``stack``: how the stock layers are called (settings.StockStack): with a residual, or on the whole
+    stream (residual None throughout)."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, first: int, last: int):
+    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, first: int, last: int,
+                 stack: StockStack):
         super().__init__()
         self.layers = model.layers[first:last]
+        self.carries_residual = stack.carries_residual
+
+    def run(self, positions: torch.Tensor, hidden: torch.Tensor,
+            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for layer in self.layers:
+            if self.carries_residual:
+                hidden, residual = layer(positions, hidden, residual)
+            else:
+                hidden = layer(positions, hidden)
+        return hidden, residual
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden": 0})  # [T], [T, hidden]
 class PopShallow(_Stack):
-    """Layers 0..cut-1 on every token: hidden [T, hidden] -> (hidden, residual), each [T, hidden]."""
+    """Layers 0..cut-1 on every token: hidden [T, hidden] -> (hidden, residual), each [T, hidden] (residual
+    None where the layers carry the stream whole)."""
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return hidden, residual
+    def forward(self, positions: torch.Tensor,
+                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.run(positions, hidden, None)
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden": 0, "residual": 0})  # S tokens
@@ -68,14 +80,16 @@ class PopDeep(_Stack):
     """Layers cut..L-1 and the final norm on the tokens given (all of a decode step, or the survivors):
     (hidden, residual) [S, hidden] -> the final hidden states [S, hidden]."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, first: int, last: int):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, model=model, first=first, last=last)
+    def __init__(self, *, vllm_config, prefix: str = "", model: nn.Module, first: int, last: int,
+                 stack: StockStack):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, model=model, first=first, last=last,
+                         stack=stack)
         self.norm = model.norm
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden, residual)[0]
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> torch.Tensor:
+        hidden, residual = self.run(positions, hidden, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": 0, "h_cut": 0})  # T tokens
@@ -153,24 +167,29 @@ class PopStack:
     kv: PopKV
     deep: PopDeep
     cut: int
+    embedding_multiplier: float | None = None  # StockStack.embedding_multiplier's value, where it has one
 
 
 def pop_forward(stack: PopStack, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
     """The stack's final hidden states [T, hidden] under POP (module docstring)."""
     hidden = inputs_embeds if inputs_embeds is not None else stack.model.embed_input_ids(input_ids)
+    if stack.embedding_multiplier is not None:  # as the stock forward scales them (Granite)
+        hidden = hidden * stack.embedding_multiplier
     hidden, residual = stack.shallow(positions, hidden)
     names = [layer.self_attn.attn.layer_name for layer in stack.deep.layers]
     index = survivors(names[0])
     if index is None:
         if warming_up():  # vLLM's warm-up: compile the K/V unit too (it writes nothing without a cache)
-            stack.kv(positions, hidden + residual)
+            stack.kv(positions, hidden if residual is None else hidden + residual)
         return stack.deep(positions, hidden, residual)
-    h_cut = hidden + residual  # [T, hidden]: the residual stream after layer cut-1
+    # [T, hidden]: the residual stream after layer cut-1 (a copy: the survivors' rows are written into it)
+    h_cut = hidden.clone() if residual is None else hidden + residual
     keys, values = stack.kv(positions, h_cut)  # [L - cut, T, H_kv * D]
     for name, k, v in zip(names, keys, values):
         write_kv(name, k, v)
     if index.numel():  # the other rows keep h_cut: tokens that stop at the cut have no logits read
         with survivor_slots(names, index):
-            h_cut[index] = stack.deep(positions[index], hidden[index], residual[index])
+            h_cut[index] = stack.deep(positions[index], hidden[index],
+                                      None if residual is None else residual[index])
     return h_cut

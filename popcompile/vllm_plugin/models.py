@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 import vllm
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.mixtral import MixtralForCausalLM
@@ -20,7 +21,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from . import runner
 from .model import PopDeep, PopKV, PopShallow, PopStack, pop_forward, use_survivor_backend
-from .settings import KV_PREFIX, PopSettings, check_vllm_version
+from .settings import KV_PREFIX, STOCK_STACKS, PopSettings, StockStack, check_vllm_version
 
 
 class _PopMixin:
@@ -36,7 +37,8 @@ class _PopMixin:
         if self.pop_settings.prunes:
             runner.install()
             use_survivor_backend(self.model, self.pop_settings.cut)
-            self.pop_stack = _units(self.model, vllm_config, prefix, self.pop_settings)
+            self.pop_stack = _units(self.model, vllm_config, prefix, self.pop_settings,
+                                    STOCK_STACKS.get(type(self).__name__, StockStack()))
             # registered children (the stock layers they hold keep their stock parameter names)
             self.pop_shallow, self.pop_kv, self.pop_deep = (self.pop_stack.shallow, self.pop_stack.kv,
                                                             self.pop_stack.deep)
@@ -54,21 +56,23 @@ class _PopMixin:
         return super().load_weights(stock) | loaded
 
 
-def _units(model, vllm_config, prefix: str, settings: PopSettings) -> PopStack:
+def _units(model, vllm_config, prefix: str, settings: PopSettings, stack: StockStack) -> PopStack:
     """POP's three compiled units over the stock stack ``model``, each under its own compile tag."""
     from vllm.compilation.backends import set_model_tag  # vLLM's own models import it late too
 
     cut, layers = settings.cut, settings.num_layers
     with set_model_tag("pop_shallow"):
         shallow = PopShallow(vllm_config=vllm_config, prefix=f"{prefix}pop_shallow", model=model, first=0,
-                             last=cut)
+                             last=cut, stack=stack)
     with set_model_tag("pop_kv"):
         kv = PopKV(vllm_config=vllm_config, prefix=f"{prefix}pop_kv", model=model, cut=cut,
                    fitted=settings.kv_weights is not None)
     with set_model_tag("pop_deep"):
         deep = PopDeep(vllm_config=vllm_config, prefix=f"{prefix}pop_deep", model=model, first=cut,
-                       last=layers)
-    return PopStack(model=model, shallow=shallow, kv=kv, deep=deep, cut=cut)
+                       last=layers, stack=stack)
+    multiplier = (None if stack.embedding_multiplier is None
+                  else float(getattr(vllm_config.model_config.hf_config, stack.embedding_multiplier)))
+    return PopStack(model=model, shallow=shallow, kv=kv, deep=deep, cut=cut, embedding_multiplier=multiplier)
 
 
 class PopLlamaForCausalLM(_PopMixin, LlamaForCausalLM):
@@ -100,4 +104,8 @@ class PopMixtralForCausalLM(_PopMixin, MixtralForCausalLM):
 
 
 class PopOlmoeForCausalLM(_PopMixin, OlmoeForCausalLM):
+    pass
+
+
+class PopGraniteForCausalLM(_PopMixin, GraniteForCausalLM):
     pass

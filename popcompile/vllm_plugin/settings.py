@@ -31,8 +31,26 @@ POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM", "PopMistralForCa
                      # mixtures of experts: the deep layers' routers and experts run on the survivors only
                      "PopQwen3MoeForCausalLM": "Qwen3MoeForCausalLM",
                      "PopMixtralForCausalLM": "MixtralForCausalLM",
-                     "PopOlmoeForCausalLM": "OlmoeForCausalLM"}
+                     "PopOlmoeForCausalLM": "OlmoeForCausalLM",
+                     "PopGraniteForCausalLM": "GraniteForCausalLM"}
 BASE_TO_POP = {base: pop for pop, base in POP_ARCHITECTURES.items()}
+
+
+@dataclass(frozen=True)
+class StockStack:
+    """How a stock vLLM decoder stack is driven where it differs from Llama's (model.py's units read it)."""
+    # True: layer(positions, hidden, residual) -> (hidden, residual), the residual add fused into the next
+    # norm, the stream being hidden + residual; False: layer(positions, hidden) -> hidden, the stream whole
+    # (Granite: each branch is scaled by residual_multiplier before its add)
+    carries_residual: bool = True
+    # the config field the stock model's forward multiplies the embeddings by, outside embed_input_ids
+    # (Granite's embedding_multiplier; Gemma's normalizer is inside embed_input_ids)
+    embedding_multiplier: str | None = None
+
+
+#: POP class -> its stack, where not Llama's
+STOCK_STACKS = {"PopGraniteForCausalLM": StockStack(carries_residual=False,
+                                                    embedding_multiplier="embedding_multiplier")}
 
 # The mixtures of experts served: POP class -> (model_type, {config field: (the one value served, why)}).
 # vLLM's classes read fewer fields than transformers' (popcompile.reference): a checkpoint with another value
@@ -62,10 +80,12 @@ UNSERVED_MOE = {"qwen2_moe": "Qwen2-MoE (shared experts)",
                 "gpt_oss": "gpt-oss (attention sinks; biased MXFP4 experts with a clamped SwiGLU)"}
 
 # families popcompile compiles (ONNX engines, torch.compile) but its vLLM plugin does not serve (model_type ->
-# the family and what a stock POP class would drop), refused by name: by the exporter, and where a folder
-# whose config.json names a POP class loads
-UNSERVED_FAMILIES = {"granite": "Granite (embedding, residual and attention multipliers; logits_scaling)",
-                     "gemma2": "Gemma 2 (soft-capped attention and logits)"}
+# the family and why), refused by name: by the exporter, and where a folder whose config.json names a POP
+# class loads. Gemma 2: vLLM 0.32's CPU attention hands attn_logit_softcapping to its kernel, but a tiny
+# Gemma 2 served by stock vLLM (no POP) leaves transformers' greedy tokens once the cap binds (cap 1.0: one
+# token of 24 differs; 0.1: every token of the longer prompts), and equals them with the cap removed
+UNSERVED_FAMILIES = {"gemma2": "Gemma 2 (vLLM's CPU attention soft-caps the scores otherwise than "
+                               "transformers)"}
 
 
 def check_served(architecture: str | None, hf_config: Any) -> None:
