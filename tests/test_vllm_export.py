@@ -140,29 +140,24 @@ def test_an_architecture_without_a_pop_class_is_named():
     assert pop_architecture(SimpleNamespace(model=model)) == "PopQwen3ForCausalLM"
 
 
-def test_gemma2_is_refused_by_name():
-    """popcompile exports Gemma 2 as ONNX engines; its vLLM plugin does not serve it (vLLM's CPU attention
-    caps the scores otherwise than transformers: settings.UNSERVED_FAMILIES): one line naming the family, from
-    the exporter and from the plugin where a config.json names a stock POP class over one."""
-    config = SimpleNamespace(architectures=["Gemma2ForCausalLM"], model_type="gemma2")
-    match = "model_type 'gemma2': popcompile's vLLM plugin does not serve it"
-    with pytest.raises(UnsupportedModelError, match=match) as err:
-        pop_architecture(SimpleNamespace(model=SimpleNamespace(config=config)))
-    assert "\n" not in str(err.value) and "--target onnx" in str(err.value)
-    with pytest.raises(UnsupportedModelError, match=match):
-        check_served("PopLlamaForCausalLM", config)
-
-
-def test_granite_gets_its_pop_class_and_keeps_its_weights(tmp_path):
-    """Granite's multipliers and logits_scaling are the stock vLLM class's; tests_vllm serves the folder
-    (test_tiny_architecture_equals_the_reference[granite])."""
-    hf = tiny_hf_folder(tmp_path / "hf", "granite", layers=LAYERS, max_position_embeddings=512)
+@pytest.mark.parametrize("model_type, pop_class", [("granite", "PopGraniteForCausalLM"),
+                                                   ("gemma2", "PopGemma2ForCausalLM")])
+def test_granite_and_gemma2_get_their_pop_class_and_keep_their_weights(model_type, pop_class, tmp_path):
+    """Granite's multipliers and logits_scaling, Gemma 2's soft-caps are the stock vLLM classes'; tests_vllm
+    serves these folders (test_tiny_architecture_equals_the_reference)."""
+    hf = tiny_hf_folder(tmp_path / "hf", model_type, layers=LAYERS, max_position_embeddings=512)
     config = export(hf, tmp_path / "served", "--kv-calibration", "none")
-    assert config["architectures"] == ["PopGraniteForCausalLM"] and config["popcompile"]["cut"] == 3
-    assert config["embedding_multiplier"] == 0.5 and config["logits_scaling"] == 0.5
+    assert config["architectures"] == [pop_class] and config["popcompile"]["cut"] == 3
     original, written = (load_file(hf / "model.safetensors"),
                          load_file(tmp_path / "served" / "model.safetensors"))
     assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
+
+
+def test_olmo2_is_refused_by_name_also_where_a_folder_names_a_pop_class():
+    """The plugin refuses a config.json naming a stock POP class over OLMo 2 (a folder edited by hand)."""
+    with pytest.raises(UnsupportedModelError, match="model_type 'olmo2': popcompile's vLLM plugin does not "
+                                                    "serve it"):
+        check_served("PopLlamaForCausalLM", SimpleNamespace(model_type="olmo2"))
 
 
 #: what a served family's tiny checkpoint changes from tests/tiny.py's: OLMoE's clip_qkv and tied embeddings,

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 import vllm
+from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -108,4 +109,8 @@ class PopOlmoeForCausalLM(_PopMixin, OlmoeForCausalLM):
 
 
 class PopGraniteForCausalLM(_PopMixin, GraniteForCausalLM):
+    pass
+
+
+class PopGemma2ForCausalLM(_PopMixin, Gemma2ForCausalLM):
     pass

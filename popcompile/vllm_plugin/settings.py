@@ -32,7 +32,8 @@ POP_ARCHITECTURES = {"PopLlamaForCausalLM": "LlamaForCausalLM", "PopMistralForCa
                      "PopQwen3MoeForCausalLM": "Qwen3MoeForCausalLM",
                      "PopMixtralForCausalLM": "MixtralForCausalLM",
                      "PopOlmoeForCausalLM": "OlmoeForCausalLM",
-                     "PopGraniteForCausalLM": "GraniteForCausalLM"}
+                     "PopGraniteForCausalLM": "GraniteForCausalLM",
+                     "PopGemma2ForCausalLM": "Gemma2ForCausalLM"}
 BASE_TO_POP = {base: pop for pop, base in POP_ARCHITECTURES.items()}
 
 
@@ -81,14 +82,10 @@ UNSERVED_MOE = {"qwen2_moe": "Qwen2-MoE (shared experts)",
 
 # families popcompile compiles (ONNX engines, torch.compile) but its vLLM plugin does not serve (model_type ->
 # the family and why), refused by name: by the exporter, and where a folder whose config.json names a POP
-# class loads. Gemma 2: vLLM 0.32's CPU attention hands attn_logit_softcapping to its kernel, but a tiny
-# Gemma 2 served by stock vLLM (no POP) leaves transformers' greedy tokens once the cap binds (cap 1.0: one
-# token of 24 differs; 0.1: every token of the longer prompts), and equals them with the cap removed.
-# OLMo 2: vLLM 0.32 has no class of its own for it and runs Olmo2ForCausalLM through its Transformers backend
-# (transformers' modules, fused and compiled as one graph), not a vLLM decoder stack that POP's units drive
-UNSERVED_FAMILIES = {"gemma2": "Gemma 2 (vLLM's CPU attention soft-caps the scores otherwise than "
-                               "transformers)",
-                     "olmo2": "OLMo 2 (vLLM 0.32 runs it through its Transformers backend, not a vLLM "
+# class loads. OLMo 2: vLLM 0.32 has no class of its own for it and runs Olmo2ForCausalLM through its
+# Transformers backend (transformers' modules, fused and compiled as one graph), not a vLLM decoder stack
+# that POP's units drive
+UNSERVED_FAMILIES = {"olmo2": "OLMo 2 (vLLM 0.32 runs it through its Transformers backend, not a vLLM "
                               "decoder stack of its own)"}
 
 
