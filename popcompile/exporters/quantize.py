@@ -47,30 +47,31 @@ class Quantised:
     def __init__(self, store: Callable[[onnx.TensorProto], None] | None = None) -> None:
         self.store = store
         self._by_source: dict[tuple, list[onnx.TensorProto]] = {}
-        self._held: dict[int, set[str]] = {}  # id(graph) -> the quantised names it holds
         self.made = 0  # weights quantised (not reused)
 
-    def add(self, graph: onnx.GraphProto, weight: onnx.TensorProto, names: list[str],
-            make: Callable[[], tuple[np.ndarray, ...]]) -> None:
-        """``graph`` holding ``names`` (one per array ``make`` returns): reused where ``weight`` was
-        quantised before, made from it otherwise."""
-        held = self._held.setdefault(id(graph), set())
-        if names[0] in held:
-            return
-        held.add(names[0])
-        key = _source(weight)
-        if key not in self._by_source:
-            tensors = [numpy_helper.from_array(array, name) for array, name in zip(make(), names)]
-            for tensor in tensors:
-                if self.store is not None:
-                    self.store(tensor)
-            self._by_source[key] = tensors
-            self.made += 1
-        for tensor, name in zip(self._by_source[key], names):
-            copy = onnx.TensorProto()
-            copy.CopyFrom(tensor)  # an external reference where stored: no bytes copied
-            copy.name = name
-            graph.initializer.append(copy)
+    def into(self, graph: onnx.GraphProto) -> Callable[..., None]:
+        """``add(weight, names, make)`` for ``graph``: ``graph`` then holds ``names`` (one per array ``make``
+        returns), reused where ``weight`` was quantised before, made from it otherwise; once per name."""
+        held: set[str] = set()
+
+        def add(weight: onnx.TensorProto, names: list[str], make: Callable[[], tuple[np.ndarray, ...]]):
+            if names[0] in held:
+                return
+            held.add(names[0])
+            key = _source(weight)
+            if key not in self._by_source:
+                tensors = [numpy_helper.from_array(array, name) for array, name in zip(make(), names)]
+                for tensor in tensors:
+                    if self.store is not None:
+                        self.store(tensor)
+                self._by_source[key] = tensors
+                self.made += 1
+            for tensor, name in zip(self._by_source[key], names):
+                copy = onnx.TensorProto()
+                copy.CopyFrom(tensor)  # an external reference where stored: no bytes copied
+                copy.name = name
+                graph.initializer.append(copy)
+        return add
 
 
 def _source(weight: onnx.TensorProto) -> tuple:
@@ -99,10 +100,10 @@ def quantize_weights(proto: onnx.ModelProto, quantization: WeightQuantization,
                                                            bits=quantization.bits)
     blocks = quantizer_module.DefaultWeightOnlyQuantizer(config)
     weights = {t.name: t for t in proto.graph.initializer}
-    nodes = []
+    add, nodes = quantised.into(proto.graph), []
     for node in proto.graph.node:
         rewrite = _REWRITES.get((node.domain, node.op_type))
-        made = rewrite and rewrite(node, weights, partial(quantised.add, proto.graph), blocks, quantization)
+        made = rewrite and rewrite(node, weights, add, blocks, quantization)
         nodes.append(made or node)
     graph = proto.graph
     del graph.node[:]
