@@ -32,7 +32,8 @@ EAGER_ATOL = 1e-4
 # The module whose output is the residual branch, per architecture (Gemma 3: sandwich norms).
 BRANCH_MODULES = {
     "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")},
+    **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                               "phi3")},
 }
 #: mixtures of experts: a perturbation of 1e-2 flips some tokens' top-k routing (a step in the loss that
 #: a central difference reads as a slope); 1e-4 (in float64) stays inside every routing region here
@@ -72,8 +73,9 @@ def test_branches_found_in_every_layer(gated):
     arch, _, result = gated
     assert [(b.layer, b.kind) for b in result.branches] == [(l, k) for l in range(LAYERS)
                                                             for k in ("attn", "mlp")]
-    expected = {"attn": ("self_attn.o_proj", "post_attention_layernorm"),
-                "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp")}  # mlp: a MoE block's output
+    # mlp: a MoE block's output; resid_*_dropout: Phi-3's dropout on each branch (the identity in eval)
+    expected = {"attn": ("self_attn.o_proj", "post_attention_layernorm", "resid_attn_dropout"),
+                "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp", "resid_mlp_dropout")}
     for branch in result.branches:
         assert branch.module in expected[branch.kind], (arch, branch)
     names = [n.name for n in result.graph_module.graph.nodes if n.op == "placeholder"]
@@ -81,7 +83,8 @@ def test_branches_found_in_every_layer(gated):
     asserts = torch.ops.aten._assert_tensor_metadata.default  # returns nothing
     values = [n.meta.get("val") for n in result.graph_module.graph.nodes
               if n.op in ("placeholder", "call_function") and n.target is not asserts]
-    assert all(isinstance(v, torch.Tensor) or isinstance(v, tuple) and all(  # tuple: a router's top-k
+    # tuple: a router's top-k; list: Phi-3's chunk of its fused gate_up_proj
+    assert all(isinstance(v, torch.Tensor) or isinstance(v, (tuple, list)) and all(
         isinstance(t, torch.Tensor) for t in v) for v in values)
 
 

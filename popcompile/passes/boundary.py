@@ -37,6 +37,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .fused import FusedProjectionError, split_fused_projections
 from .layers import find_layers, layer_part, module_path
 from .pop import LINEAR, KVWeights, Projection, eliminate_dead_code, rewire_deep_layers, weight_constant
 
@@ -68,6 +69,11 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
     seq, seq_dim = _sequence(layers[0].input)
     if cut == len(layers):
         return BoundaryResult(gm, cut, len(layers), seq)
+    try:
+        if split_fused_projections(gm.graph, layers[cut:]):  # Phi-3's qkv_proj: K and V nodes of their own
+            layers = find_layers(gm.graph)
+    except FusedProjectionError as err:
+        raise UnsupportedGraph(str(err)) from None
     copier = _LastPosition(gm.graph, seq)
     h_cut = layers[cut].input
     copier.seed(h_cut, _slice(gm.graph, h_cut, seq_dim, -1, None))
