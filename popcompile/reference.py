@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .frontend.arch import finish_logits
+from .frontend.arch import arch_spec, finish_logits, kv_projections
 from .frontend.capture import cache_keyword, use_attention
 from .frontend.vision import ImageInputs, VisionPrompt, check_cut, encode_prompt, vision_spec
 
@@ -86,14 +86,25 @@ def hide_positions(model: torch.nn.Module, start: int, hidden: int) -> Iterator[
 
 @contextlib.contextmanager
 def replaced_projections(model: torch.nn.Module, weights: Mapping[int, Mapping[str, Any]]) -> Iterator[None]:
-    """The named k/v projections of the given layers compute with replacement weights (POP+)."""
-    def hook_for(projection):
-        return lambda module, args, output: torch.nn.functional.linear(args[0], projection.weight,
-                                                                       projection.bias)
+    """The named k/v projections of the given layers compute with replacement weights (POP+); a fused qkv_proj
+    (Phi-3) keeps its Q rows and computes its K/V rows with them."""
+    def hook_for(rows, projection):
+        def hook(module, args, output):
+            new = torch.nn.functional.linear(args[0], projection.weight, projection.bias)
+            if rows is None:
+                return new
+            output = output.clone()
+            output[..., rows] = new.to(output.dtype)
+            return output
+        return hook
 
-    layers = decoder_layers(model)
-    with _removed_after([layers[i].self_attn.get_submodule(part).register_forward_hook(hook_for(p))
-                         for i, parts in weights.items() for part, p in parts.items()]):
+    spec, layers = arch_spec(model.config), decoder_layers(model)
+    handles = []
+    for i, parts in weights.items():
+        own = kv_projections(spec, layers[i])
+        handles += [own[part].module.register_forward_hook(hook_for(own[part].rows, p))
+                    for part, p in parts.items()]
+    with _removed_after(handles):
         yield
 
 

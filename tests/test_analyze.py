@@ -34,7 +34,7 @@ BRANCH_MODULES = {
     **dict.fromkeys(("gemma3_text", "gemma2", "olmo2"),
                     ("post_attention_layernorm", "post_feedforward_layernorm")),
     **{arch: ("self_attn", "mlp") for arch in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                                               "granite", "olmoe")},
+                                               "granite", "olmoe", "phi3")},
 }
 #: the part of the layer whose node is the branch output the gate multiplies, where it is not the module's own
 #: last op: Granite multiplies each branch by residual_multiplier in the layer itself (part "")
@@ -77,9 +77,10 @@ def test_branches_found_in_every_layer(gated):
     arch, _, result = gated
     assert [(b.layer, b.kind) for b in result.branches] == [(l, k) for l in range(LAYERS)
                                                             for k in ("attn", "mlp")]
-    expected = BRANCH_OUTPUT_PARTS.get(arch, {"attn": ("self_attn.o_proj", "post_attention_layernorm"),
-                                              # mlp: a MoE block's output
-                                              "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp")})
+    # mlp: a MoE block's output; resid_*_dropout: Phi-3's dropout on each branch (the identity in eval)
+    expected = BRANCH_OUTPUT_PARTS.get(arch, {
+        "attn": ("self_attn.o_proj", "post_attention_layernorm", "resid_attn_dropout"),
+        "mlp": ("mlp.down_proj", "post_feedforward_layernorm", "mlp", "resid_mlp_dropout")})
     for branch in result.branches:
         assert branch.module in expected[branch.kind], (arch, branch)
     names = [n.name for n in result.graph_module.graph.nodes if n.op == "placeholder"]
@@ -87,7 +88,8 @@ def test_branches_found_in_every_layer(gated):
     asserts = torch.ops.aten._assert_tensor_metadata.default  # returns nothing
     values = [n.meta.get("val") for n in result.graph_module.graph.nodes
               if n.op in ("placeholder", "call_function") and n.target is not asserts]
-    assert all(isinstance(v, torch.Tensor) or isinstance(v, tuple) and all(  # tuple: a router's top-k
+    # tuple: a router's top-k; list: Phi-3's chunk of its fused gate_up_proj
+    assert all(isinstance(v, torch.Tensor) or isinstance(v, (tuple, list)) and all(
         isinstance(t, torch.Tensor) for t in v) for v in values)
 
 

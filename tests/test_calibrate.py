@@ -11,7 +11,7 @@ from tiny import tiny_model
 from tiny_engine import tiny_engine
 
 from popcompile import reference
-from popcompile.frontend.arch import DECODER_TYPES
+from popcompile.frontend.arch import DECODER_TYPES, arch_spec, kv_projections
 from popcompile.kvfit.calibrate import check_fit, default_batches, load_fit, ridge_fit, save_fit
 from popcompile.kvfit.corpus import CALIBRATION_MODULES, STDLIB_MODULES, encode, stdlib_texts
 
@@ -27,8 +27,10 @@ def _linear_deep_layers(model, cut):
             layer.mlp.down_proj.weight.zero_()
 
 
-def test_fit_recovers_kv_when_deep_inputs_are_linear_in_h_cut():
-    model, cut = tiny_model("llama", layers=4), 2
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_fit_recovers_kv_when_deep_inputs_are_linear_in_h_cut(arch):
+    """phi3: the targets are its fused qkv_proj's K/V rows (arch.kv_projections)."""
+    model, cut = tiny_model(arch, layers=4), 2
     _linear_deep_layers(model, cut)
     torch.manual_seed(3)
     with torch.no_grad():
@@ -39,8 +41,8 @@ def test_fit_recovers_kv_when_deep_inputs_are_linear_in_h_cut():
         for index in (3,):  # layer 2 = cut reads h_cut already and is not refitted
             layer = model.get_decoder().layers[index]
             x = layer.input_layernorm(h[cut])
-            for part in ("k_proj", "v_proj"):
-                target = getattr(layer.self_attn, part)(layer.input_layernorm(h[index]))
+            for part, own in kv_projections(arch_spec(model.config), layer).items():
+                target = own(layer.input_layernorm(h[index]))
                 p = fit.weights[index][part]
                 got = torch.nn.functional.linear(x, p.weight, p.bias)
                 assert (got - target).abs().max() <= EXACT_ATOL, (index, part)

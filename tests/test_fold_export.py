@@ -10,7 +10,7 @@ from tiny import empty_past, greedy_with_graphs, run_graph, tiny_model
 
 from popcompile import reference
 from popcompile.driver import build_graphs
-from popcompile.frontend.arch import DECODER_TYPES
+from popcompile.frontend.arch import DECODER_TYPES, arch_spec, kv_projections
 from popcompile.passes.layers import layer_part
 from popcompile.passes.pop import Projection
 
@@ -45,12 +45,15 @@ def _whole_prompt_linears(program) -> dict[tuple[int, str], bool]:
 
 
 def test_deep_layers_run_the_last_position_only_except_kv(pairs):
-    _, folded, _ = pairs
+    """Phi-3: the fused qkv_proj runs on x_N alone (its Q); its K and V rows over the prompt are nodes of
+    their own, named as a separate projection's (passes/fused.py)."""
+    model, folded, _ = pairs
     assert folded.boundary == "folded"
     rows = _whole_prompt_linears(folded.prefill)
     for (layer, name), whole in rows.items():
         assert whole == (layer < CUT or name in ("k_proj", "v_proj")), f"layer {layer} {name}"
-    assert {name for (layer, name) in rows if layer == CUT} >= {"q_proj", "k_proj", "v_proj", "o_proj"}
+    query = (arch_spec(model.config).fused_qkv or "self_attn.q_proj").rsplit(".", 1)[-1]
+    assert {name for (layer, name) in rows if layer == CUT} >= {query, "k_proj", "v_proj", "o_proj"}
 
 
 def test_folded_prefill_equals_prefill_then_boundary_step(pairs):
@@ -79,15 +82,16 @@ def test_cut_equal_to_layers_is_the_full_model():
     assert greedy_with_graphs(pair, prompt, 5) == full
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3"])
 def test_kv_weights_serve_the_pruned_rows_and_x_n_keeps_the_models_own(arch):
     """POP+ folded: rows 1..N-1 of layer 3 from the refit weights, row N from the model's (its true input).
-    llama: a fitted k bias on a projection the model has without one; x_N's row keeps no bias."""
+    llama: a fitted k bias on a projection the model has without one; x_N's row keeps no bias. phi3: the
+    refit replaces the K/V rows of its fused qkv_proj; x_N's row is the fused projection's own."""
     model = tiny_model(arch)
     torch.manual_seed(1)
-    layer = model.get_decoder().layers[3].self_attn
-    weights = {3: {"k_proj": Projection(torch.randn_like(layer.k_proj.weight), torch.randn(32)),
-                   "v_proj": Projection(torch.randn_like(layer.v_proj.weight), None)}}
+    own = kv_projections(arch_spec(model.config), model.get_decoder().layers[3])
+    weights = {3: {"k_proj": Projection(torch.randn_like(own["k_proj"].weight), torch.randn(32)),
+                   "v_proj": Projection(torch.randn_like(own["v_proj"].weight), None)}}
     folded = build_graphs(model, cut=CUT, kv_weights=weights)
     separate = build_graphs(model, cut=CUT, kv_weights=weights, boundary="separate")
     prompt = torch.randint(0, 97, (1, 9))

@@ -25,7 +25,7 @@ from popcompile.exporters.onnx import check_capped_attention
 from popcompile.exporters.steps import FUSE_STEP
 from popcompile.exporters.targets import OnnxTarget
 from popcompile.exporters.tensorrt import build_engines
-from popcompile.frontend.arch import DECODER_TYPES
+from popcompile.frontend.arch import ARCHITECTURES, DECODER_TYPES
 from popcompile.ort_passes.attention import GQA, MHA, lower_for_ort
 from popcompile.ort_passes.pack import pack_projections
 from popcompile.ort_passes.rotary import fuse_rotary
@@ -44,7 +44,7 @@ def graphs(request, engines) -> dict:
     """standard and fused sessions of both graphs of one tiny engine, and the fused forms per graph."""
     folder = engines.tiny(request.param, cut=CUT, max_seq=64, target=OnnxTarget(attention="standard"))
     out = {"manifest": EngineManifest.read(folder), "forms": {},
-           "moe_layers": LAYERS * (request.param in MOE)}
+           "moe_layers": LAYERS * (request.param in MOE), "fused_qkv": ARCHITECTURES[request.param].fused_qkv}
     for name in ("prefill", "decode"):
         proto = onnx.load(str(folder / f"{name}.onnx"))
         out[name] = {"standard": _session(proto)}  # before the lowering, which consumes ``proto``
@@ -190,6 +190,9 @@ def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share
     and q over x_N alone: there both graphs pack [Wk|Wv] and keep Wq apart; a decode graph alone packs all
     three."""
     pruned, packs = LAYERS - CUT, 1 if graphs["moe_layers"] else 2  # experts: no gate|up MatMul to pack
+    if graphs["fused_qkv"]:
+        _fused_projections_are_packed_in_the_pruned_layers_only(graphs, pruned)
+        return
     assert graphs["packed"] == {"decode": packs * LAYERS, "prefill": packs * CUT + packs * pruned}
     assert graphs["packed_alone"] == {"decode": packs * LAYERS}
     matmuls = {name: Counter(n.op_type for n in graphs[name][proto].graph.node)["MatMul"]
@@ -204,6 +207,21 @@ def test_projections_of_one_activation_are_packed_into_weights_both_graphs_share
     packed = {_content(t) for t in graphs["prefill"]["proto"].graph.initializer
               if t.name.endswith("/weight") and t.name.startswith("pop_pack/")}
     assert packed and packed <= contents["decode"]
+
+
+def _fused_projections_are_packed_in_the_pruned_layers_only(graphs, pruned: int) -> None:
+    """Phi-3: qkv_proj and gate_up_proj are one MatMul each already, in both graphs; only a pruned layer's K
+    and V rows, split from qkv_proj for the prompt (passes/fused.py), are packed back into one [Wk|Wv] MatMul,
+    which the prefill graph alone reads (the decode graph reads the whole qkv_proj)."""
+    assert graphs["packed"] == {"decode": 0, "prefill": pruned}
+    assert graphs["packed_alone"] == {"decode": 0}
+    ops = {name: Counter(n.op_type for n in graphs[name][proto].graph.node)
+           for name, proto in (("decode", "shared_proto"), ("prefill", "proto"))}
+    assert ops["decode"]["MatMul"] == 4 * LAYERS  # qkv, o, gate_up, down
+    decode = {_content(t) for t in graphs["decode"]["shared_proto"].graph.initializer if len(t.dims) == 2}
+    packed = [t for t in graphs["prefill"]["proto"].graph.initializer if t.name.startswith("pop_pack/")
+              and t.name.endswith("/weight")]
+    assert len(packed) == pruned and not {_content(t) for t in packed} & decode
 
 
 def test_views_that_end_where_they_began_are_gone(graphs):
@@ -332,3 +350,47 @@ def test_fused_engine_samples_what_the_standard_engine_samples(engine_pair, io_b
             want = [r.token_ids for r in standard.generate(prompts, sampling, mode=mode)]
             assert [r.token_ids for r in fused.generate(prompts, sampling, mode=mode)] == want
             assert len(set(want[0])) > 4  # sampled, not one repeated token
+
+
+def _rope_graph(x_shape: list, unsqueeze_axis: int) -> onnx.ModelProto:
+    """y = x*cos + rotate_half(x)*sin with HF's cos = Cos(Concat(f, f)) [B,S,D] unsqueezed at
+    ``unsqueeze_axis`` (1: x is [B,H,S,D]; 2: x is [B,S,H,D]), shapes declared by onnx's inference."""
+    from onnx import TensorProto, helper
+
+    d = x_shape[3]
+    seq = x_shape[2] if unsqueeze_axis == 1 else x_shape[1]
+    consts = {"zero": [0], "half": [d // 2], "end": [d], "last": [-1], "axis": [unsqueeze_axis]}
+    nodes = [helper.make_node("Concat", ["f", "f"], ["emb"], axis=-1),
+             helper.make_node("Cos", ["emb"], ["cos3"]), helper.make_node("Sin", ["emb"], ["sin3"]),
+             helper.make_node("Unsqueeze", ["cos3", "axis"], ["cos"]),
+             helper.make_node("Unsqueeze", ["sin3", "axis"], ["sin"]),
+             helper.make_node("Slice", ["x", "zero", "half", "last"], ["lo"]),
+             helper.make_node("Slice", ["x", "half", "end", "last"], ["hi"]),
+             helper.make_node("Neg", ["hi"], ["neg"]),
+             helper.make_node("Concat", ["neg", "lo"], ["rot"], axis=-1),
+             helper.make_node("Mul", ["x", "cos"], ["straight"]),
+             helper.make_node("Mul", ["rot", "sin"], ["turned"]),
+             helper.make_node("Add", ["straight", "turned"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "rope", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+                        helper.make_tensor_value_info("f", TensorProto.FLOAT, [x_shape[0], seq, d // 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x_shape)],
+        [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_rope_on_one_position_is_fused_only_in_the_heads_first_layout():
+    """A last-position copy has S = 1: a [B,S,H,D] x then has a static dim 1 like a [B,H,S,D] one. RoPE is
+    rewritten only where cos/sin's rows lie along x's dim 2 ([B,H,1,D]); a [B,1,H,D] x keeps its ops (read as
+    [B,H,S,D] it would rotate each head by another position)."""
+    rng = np.random.default_rng(0)
+    for shape, axis, fused in (([2, 4, 1, 8], 1, 1), ([2, 1, 4, 8], 2, 0)):
+        model = _rope_graph(shape, axis)
+        feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+                 "f": rng.standard_normal((2, 1, 4)).astype(np.float32)}
+        want = _session(model).run(None, feeds)[0]
+        rewritten = onnx.ModelProto()
+        rewritten.CopyFrom(model)
+        assert fuse_rotary(rewritten) == fused
+        np.testing.assert_allclose(_session(rewritten).run(None, feeds)[0], want, atol=1e-6, rtol=0)

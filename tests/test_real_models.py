@@ -10,7 +10,7 @@ from tiny import empty_past, greedy_with_graphs, run_graph
 
 from popcompile import reference
 from popcompile.driver import build_graphs
-from popcompile.frontend.arch import arch_spec
+from popcompile.frontend.arch import arch_spec, kv_projections
 
 # one worker runs this file: the graphs of each real model, built once per module (conftest.py)
 pytestmark = pytest.mark.xdist_group("test_real_models")
@@ -62,7 +62,7 @@ def test_prefill_kv(real):
             assert (value - out.past_key_values.layers[i].values).abs().max() <= KV_ATOL, f"V layer {i}"
             continue
         layer = layers[i]
-        v = layer.get_submodule(spec.v_proj)(layer.get_submodule(spec.input_norm)(h_cut))
+        v = kv_projections(spec, layer)["v_proj"](layer.get_submodule(spec.input_norm)(h_cut))
         v = v.view(1, ids.shape[1], pair.layout.num_kv_heads, pair.layout.head_dim).transpose(1, 2)
         assert (value - v)[:, :, :-1].abs().max() <= KV_ATOL, f"V layer {i}"
         assert (key - pop_cache.layers[i].keys)[:, :, :-1].abs().max() <= KV_ATOL, f"K layer {i}"

@@ -40,6 +40,11 @@ TINY = {
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, {
         "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "norm_topk_prob": False,
         "clip_qkv": 10.0, "eos_token_id": None, "pad_token_id": None}),
+    # Phi-4-mini's layout: fused qkv_proj and gate_up_proj, RoPE on the first 3/4 of each head with LongRoPE
+    # (tiny_model adds its short and long factors, rotary_dim / 2 of each; the long ones past 64 positions)
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {
+        "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 0}),
 }
 
 
@@ -64,6 +69,8 @@ def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, s
         # alternate local (sliding) and global layers, as Gemma 3 does (5:1 there)
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                  for i in range(layers)]
+    if model_type == "phi3" and "rope_scaling" not in kwargs:
+        kwargs["rope_scaling"] = longrope(int(head_dim * kwargs["partial_rotary_factor"]))
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     config._attn_implementation = attention_implementation(config)  # eager where attention is soft-capped
@@ -73,6 +80,13 @@ def tiny_model(model_type: str, *, layers=4, heads=4, kv_heads=2, head_dim=16, s
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     return model
+
+
+def longrope(rotary_dim: int) -> dict:
+    """Phi-3.5 / Phi-4-mini's rope_scaling (LongRoPE): one short and one long factor per rotated pair."""
+    pairs = range(rotary_dim // 2)
+    return {"type": "longrope", "short_factor": [1.0 + 0.2 * i for i in pairs],
+            "long_factor": [1.0 + 1.5 * i for i in pairs]}
 
 
 #: Qwen3-VL's special ids inside the tiny vocabulary (the real model's sit above its text vocabulary too)

@@ -12,9 +12,10 @@ compile made (targets.Compiled: the graph pair, the model's tokenizer and config
 returns the folder's manifest; staging, locking, the threshold, writing the manifest (once) and the
 rename are the driver's.
 
-Memory: both graphs are exported unoptimised (their weights are the model's tensors), their weight
-transposes folded once for both (``fold_weight_transposes``: what torch.onnx's optimiser would do with a
-second float32 copy of every projection), then each is optimised, saved with external data and read back
+Memory: both graphs are exported unoptimised (their weights are the model's tensors), their weight slices
+(a fused qkv_proj's K/V rows that a pruned layer keeps: ``fold_weight_slices``) and transposes folded once
+for both (``fold_weight_transposes``: what torch.onnx's optimiser would do with a second float32 copy of every
+projection), then each is optimised, saved with external data and read back
 without it (scratch.py); the rewrites and the quantiser read one tensor at a time and move what they make
 back out to disk. A model built without its weights (``LoadedModel.lazy``) has each read from its checkpoint
 as it is saved; a loaded one has its storage freed as its transposes are made (``release``: the driver's
@@ -94,6 +95,7 @@ def _export_prefill(w: _Writing) -> None:
     w.pending["prefill.onnx"] = _exported(w.pair.prefill, *_names(w.pair, w.pair.boundary == "folded"),
                                           optimize=False, lowering=w.lowering)
     lazy = w.loaded.lazy
+    fold_weight_slices(list(w.pending.values()), lazy=lazy)
     fold_weight_transposes(list(w.pending.values()), free=w.release, read=lazy.read if lazy else None)
     fold_weight_gathers(list(w.pending.values()), read=lazy.read if lazy else None)
     if lazy is not None:
@@ -277,6 +279,77 @@ def fold_weight_transposes(programs: list, *, free: bool,
         if free and read is None and len(found) == readers[key]:  # (a placeholder holds nothing to free)
             _free(tensor(found[0][2]))
     return sum(len(found) for found in sites.values())
+
+
+def fold_weight_slices(programs: list, *, lazy: LazyWeights | None = None) -> int:
+    """Fold each ``Slice(W, constant starts, ends[, axes[, unit steps]])`` of a weight into an initializer of
+    its own, named as the Slice's output, in every graph of ``programs`` (unoptimised ONNXPrograms): a fused
+    qkv_proj's K and V rows that a pruned layer keeps (passes/fused.py), so the prefill graph stores those
+    rows and not the whole projection (the decode graph keeps it whole). A weight no node reads any more
+    leaves its graph. The new initializer is a view of the model's tensor (``fold_weight_transposes``, next,
+    transposes it and may free the storage with the whole's), for a placeholder one of its own
+    (``LazyWeights.part``). Returns how many were folded."""
+    import onnx_ir as ir
+
+    folded = 0
+    for program in programs:
+        graph = program.model.graph
+        for node in list(graph):
+            if node.op_type != "Slice" or node.domain != "":
+                continue
+            data, *bounds = node.inputs
+            weight = data is not None and data.is_initializer()
+            raw = getattr(data.const_value, "raw", None) if weight else None
+            values = [None if v is None else _flat_ints(v) for v in bounds]
+            starts, ends, axes, steps = (values + [None] * 4)[:4]
+            if not isinstance(raw, torch.Tensor) or starts is None or ends is None or any(
+                    v is None for v, given in zip((axes, steps), bounds[2:]) if given is not None):
+                continue
+            axes = list(range(len(starts))) if axes is None else axes
+            if any(step != 1 for step in steps or ()):
+                continue
+            index = [slice(None)] * raw.dim()
+            for axis, start, end in zip(axes, starts, ends):
+                index[axis % raw.dim()] = slice(start, end)  # ONNX clamps as Python does
+            part = lazy.part(raw, tuple(index)) if lazy is not None else raw[tuple(index)]
+            if lazy is None or lazy.key(raw) is None:
+                part = part if part.is_contiguous() else part.contiguous()
+            out = node.outputs[0]
+            const = type(data.const_value)(part, name=out.name)
+            value = ir.Value(name=out.name, shape=ir.Shape(tuple(part.shape)),
+                             type=out.type or ir.TensorType(const.dtype), const_value=const)
+            ir.convenience.replace_all_uses_with(out, value)
+            graph.remove(node, safe=True)
+            graph.register_initializer(value)
+            if not data.uses():
+                graph.initializers.pop(data.name)
+            folded += 1
+    return folded
+
+
+def _flat_ints(value) -> list[int] | None:
+    """An integer constant's values, flattened: an initializer, a Constant node's output, or either through
+    the Reshape, Unsqueeze, Squeeze, Cast or Identity that torch.onnx puts around a scalar; else None."""
+    const, producer = value.const_value, value.producer()
+    if const is None and producer is not None and producer.domain == "":
+        if producer.op_type == "Constant":
+            attribute = next(iter(producer.attributes.values()), None)
+            if attribute is None or attribute.name not in ("value", "value_int", "value_ints"):
+                return None
+            found = attribute.value
+            if attribute.name == "value_int":
+                return [int(found)]
+            if attribute.name == "value_ints":
+                return list(found)
+            array = found.numpy()
+            return array.astype(int).ravel().tolist() if array.dtype.kind in "iu" else None
+        if producer.op_type in ("Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity") and producer.inputs:
+            return _flat_ints(producer.inputs[0])
+        return None
+    if const is None:
+        return None
+    array = const.numpy()
+    return array.astype(int).ravel().tolist() if array.dtype.kind in "iu" else None
 
 
 def read_lazily(programs: list, lazy: LazyWeights) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -19,6 +21,10 @@ class ArchSpec:
     input_norm: str | None = "input_layernorm"
     k_proj: str = "self_attn.k_proj"
     v_proj: str = "self_attn.v_proj"
+    # The one projection whose output rows are [q; k; v] (H*D, H_kv*D, H_kv*D rows: Phi-3's qkv_proj), None
+    # where K and V have modules of their own. Eager code reads and writes the K/V rows through
+    # kv_projections; the graph passes split it into nodes named k_proj and v_proj (passes/fused.py).
+    fused_qkv: str | None = None
     # The RMS norm applied to K before RoPE, None where there is none; over each head's D values
     # (k_norm_width "head": Qwen3, Gemma 3) or over the whole projection, H_kv * D ("full": OLMo 2, OLMoE).
     k_norm: str | None = None
@@ -47,6 +53,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen3", mask_mapping=True, k_norm="self_attn.k_norm"),
         ArchSpec("qwen3_moe", mask_mapping=False, k_norm="self_attn.k_norm"),
         ArchSpec("mixtral", mask_mapping=False),
+        # Phi-3, Phi-3.5, Phi-4-mini: fused qkv_proj (and gate_up_proj, which POP drops with the MLP); partial
+        # rotary and LongRoPE are the model's own rotary module's (frontend/capture.settle_longrope)
+        ArchSpec("phi3", mask_mapping=False, fused_qkv="self_attn.qkv_proj"),
         ArchSpec("gemma3_text", mask_mapping=True, k_norm="self_attn.k_norm", branch_output_norms=True),
         # Granite: Llama's layer with embedding, residual and attention multipliers inside transformers'
         # modules (captured as ops) and logits divided by logits_scaling (finish_logits)
@@ -54,8 +63,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         # Gemma 2: Gemma 3's sandwich norms without a k-norm; attention scores soft-capped
         # (attention_implementation), final logits soft-capped (finish_logits)
         ArchSpec("gemma2", mask_mapping=True, branch_output_norms=True),
-
-
         # post-norm layers: no input norm, each branch's output normed before the residual add
         ArchSpec("olmo2", mask_mapping=False, input_norm=None, k_norm="self_attn.k_norm", k_norm_width="full",
                  branch_output_norms=True),
@@ -98,7 +105,66 @@ def arch_spec(config) -> ArchSpec:
     return ARCHITECTURES[model_type]
 
 
-def pruned_kv(spec: ArchSpec, layer, h_cut, project, head_dim: int):
+#: the fused [q; k; v] projections' names inside a decoder layer (what the graph passes split)
+FUSED_QKV: frozenset[str] = frozenset(spec.fused_qkv for spec in ARCHITECTURES.values() if spec.fused_qkv)
+
+
+@dataclass(frozen=True)
+class KVProjection:
+    """A decoder layer's K or V projection: a Linear of its own, or rows ``rows`` of a fused one. ``weight``
+    [out, in] and ``bias`` [out] (or None) are read from the module when asked (the module's parameters, or
+    views of their rows), so an in-place write (``weight.copy_(...)``) changes the model, and a model whose
+    parameters are swapped (frontend/lazy.py: streamed, materialised) is read as it is then. Calling it runs
+    the module (a streamed module reads its weights for that forward) and keeps its rows."""
+
+    module: torch.nn.Module  # the Linear that computes it (the fused one for a fused projection)
+    rows: slice | None = None  # its rows of ``module``'s output; None: all of them
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight if self.rows is None else self.module.weight[self.rows]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.module.bias
+        return bias if bias is None or self.rows is None else bias[self.rows]
+
+    @property
+    def out_features(self) -> int:
+        return self.module.out_features if self.rows is None else self.rows.stop - self.rows.start
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.module(x)
+        return out if self.rows is None else out[..., self.rows]
+
+
+def split_fused_kv(rows: int, kv_width: int) -> tuple[slice, slice]:
+    """The K and V rows of a fused [q; k; v] projection of ``rows`` output rows whose K and V have
+    ``kv_width`` (H_kv * D) rows each: (slice(q, q + kv), slice(q + kv, rows)), q = rows - 2 * kv."""
+    q = rows - 2 * kv_width
+    if q <= 0:
+        raise ValueError(f"a fused [q; k; v] projection of {rows} rows has no room for K and V of {kv_width}")
+    return slice(q, q + kv_width), slice(q + kv_width, rows)
+
+
+#: the names of a layer's K and V projections in a K/V fit (kvfit/), in kv_projections' order
+KV_PARTS = ("k_proj", "v_proj")
+
+
+def kv_projections(spec: ArchSpec, layer) -> dict[str, KVProjection]:
+    """``{"k_proj": K, "v_proj": V}`` of a Hugging Face decoder layer, the one way POP+ and POP++ (kvfit/) and
+    the reference read and write them: the modules ``spec.k_proj`` and ``spec.v_proj``, or the K/V rows of
+    ``spec.fused_qkv``."""
+    if spec.fused_qkv is None:
+        modules = (layer.get_submodule(spec.k_proj), layer.get_submodule(spec.v_proj))
+        return {part: KVProjection(m) for part, m in zip(KV_PARTS, modules)}
+    fused = layer.get_submodule(spec.fused_qkv)
+    attention = layer.get_submodule(spec.fused_qkv.rsplit(".", 1)[0])
+    rows = split_fused_kv(fused.out_features, attention.num_key_value_heads * attention.head_dim)
+    return {part: KVProjection(fused, r) for part, r in zip(KV_PARTS, rows)}
+
+
+def pruned_kv(spec: ArchSpec, layer, h_cut, project=None, head_dim: int | None = None):
     """POP's cache rows of a pruned layer, before RoPE: the one recipe (passes/pop.py rewires graphs to it;
     kvfit/distill.py trains through it; vllm_plugin/model.py serves with it).
 
@@ -108,8 +174,13 @@ def pruned_kv(spec: ArchSpec, layer, h_cut, project, head_dim: int):
         k, v = clamp(k, v, -clip, clip)            where spec names a clip and the config sets it
 
     ``layer``: a decoder layer with the table's module names (Hugging Face's, and vLLM's for ``input_norm``
-    and ``k_norm``). Returns k, v [..., H_kv * D]; each caller applies RoPE in its own layout."""
+    and ``k_norm``). ``project`` None: the layer's own K/V projections (``kv_projections``: a fused qkv_proj's
+    K/V rows, never its Q rows; Hugging Face layers only). ``head_dim``: needed where spec has a k_norm.
+    Returns k, v [..., H_kv * D]; each caller applies RoPE in its own layout."""
     x = h_cut if spec.input_norm is None else layer.get_submodule(spec.input_norm)(h_cut)
+    if project is None:
+        own = kv_projections(spec, layer)
+        project = lambda x: (own["k_proj"](x), own["v_proj"](x))  # noqa: E731
     k, v = project(x)
     if spec.k_norm is not None:
         norm = layer.get_submodule(spec.k_norm)

@@ -57,7 +57,11 @@ def pop_attention(module, query, key, value, attention_mask, scaling=None, dropo
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling
     )
-    return out.transpose(1, 2).contiguous(), None
+    # SDPA's output has the query's layout: a view of [B, T, H, D] rows where the query is the projection's
+    # view (Llama), [B, H, T, D] rows where RoPE concatenated it (Phi-3's partial rotary). ``contiguous()``
+    # on the latter asks whether T == 1, a guard that export refuses on a dynamic T; a clone never asks
+    # (and is an Identity in ONNX, which the exporter's optimiser drops).
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
 
 
 def softcapped_attention(query, key, value, attention_mask, scaling, cap: float) -> torch.Tensor:
@@ -366,8 +370,24 @@ def attention_for_capture(model: torch.nn.Module) -> Iterator[None]:
     """``model`` running ``pop_attention`` (transformers' registry of attention functions: our key, our
     function, no patching) and, for a mixture of experts, ``popcompile::experts`` (frontend/experts.py)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, pop_attention)
+    settle_longrope(model)
     with use_attention(model, ATTN_IMPLEMENTATION), experts_for_capture(model):
         yield
+
+
+def settle_longrope(model: torch.nn.Module) -> None:
+    """Call each LongRoPE rotary embedding (Phi-3.5, Phi-4-mini) once, eagerly. Its first call computes its
+    long-context frequencies and keeps them on the module (``long_inv_freq``, transformers'
+    ``dynamic_rope_update``): made inside a trace, that attribute would be the trace's fake tensor, which the
+    next capture or eager forward then reads. After this call every trace reads a real constant and picks the
+    short or long set per call as the model does (``where(max(position_ids) + 1 > original_max, long,
+    short)``)."""
+    for module in model.modules():
+        settled = getattr(module, "long_inv_freq", None) is not None
+        if getattr(module, "rope_type", None) == "longrope" and not settled:
+            inv_freq = module.inv_freq
+            with torch.no_grad():
+                module(inv_freq.new_zeros(1), torch.zeros(1, 1, dtype=torch.long, device=inv_freq.device))
 
 
 def kv_layout(model: torch.nn.Module, max_seq: int | None = None) -> KVLayout:

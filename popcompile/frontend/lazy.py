@@ -4,6 +4,7 @@
         every parameter a zero-strided tensor over one element (shape, dtype and device real, 4 bytes of
         storage); LazyWeights maps each placeholder (its storage's data_ptr) to its checkpoint key
     LazyWeights.read(p)        one weight's values, in the model's dtype (the ONNX writer: one at a time)
+    LazyWeights.part(p, index) a placeholder of p[index] (the ONNX writer's slice of a weight), read as such
     LazyWeights.streamed(m)    while open, each module that owns placeholders holds its real weights during
                                its own forward only: a forward of the whole model holds one layer's weights
                                at a time (the ridge K/V fit of a model whose float32 weights do not fit)
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -40,9 +41,13 @@ class LazyWeights:
     keys: dict[int, str]  # a live placeholder's storage (data_ptr) -> its checkpoint key
     dtype: torch.dtype
 
+    #: a part placeholder's storage (data_ptr) -> its whole's checkpoint key and the part's index (``part``)
+    parts: dict[int, tuple[str, tuple]] = field(default_factory=dict)
+
     def key(self, tensor: torch.Tensor) -> str | None:
-        """The checkpoint key of a placeholder (None: ``tensor`` is a real tensor)."""
-        return self.keys.get(tensor.untyped_storage().data_ptr())
+        """The checkpoint key of a placeholder, its whole's for a part (None: ``tensor`` is a real tensor)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return self.keys[ptr] if ptr in self.keys else self.parts[ptr][0] if ptr in self.parts else None
 
     def read(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values of placeholder ``tensor`` (``tensor`` itself if it is real)."""
@@ -52,7 +57,23 @@ class LazyWeights:
         from safetensors import safe_open
 
         with safe_open(self.files[key], framework="pt") as checkpoint:
-            return checkpoint.get_tensor(key).to(self.dtype)
+            values = checkpoint.get_tensor(key).to(self.dtype)
+        index = self.parts.get(tensor.untyped_storage().data_ptr(), (key, None))[1]
+        return values if index is None else values[index].contiguous()
+
+    def part(self, tensor: torch.Tensor, index: tuple) -> torch.Tensor:
+        """``tensor[index]``; for a placeholder, a placeholder of that shape of its own, read as those
+        elements of the whole (a fused projection's K/V rows: exporters/onnx.fold_weight_slices). A
+        placeholder's view would not do: its storage is the whole's, so ``read`` would give the whole."""
+        key = self.key(tensor)
+        if key is None:
+            return tensor[index]
+        if tensor.untyped_storage().data_ptr() in self.parts:
+            raise ValueError("a part of a part placeholder is not supported")
+        shape = torch.empty(tensor.shape, device="meta")[index].shape
+        made = torch.zeros((), dtype=tensor.dtype).expand(shape)
+        self.parts[made.untyped_storage().data_ptr()] = (key, index)
+        return made
 
     def placeholder_bytes(self, model: torch.nn.Module) -> int:
         """What ``model``'s placeholders hold once real (each shared parameter once)."""
@@ -102,6 +123,7 @@ class LazyWeights:
                     made[id(param)] = torch.nn.Parameter(self.read(param), requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]
         self.keys.clear()
+        self.parts.clear()
 
 
 def placeholders(folder: Path, config: PretrainedConfig, dtype: torch.dtype

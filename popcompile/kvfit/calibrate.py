@@ -34,13 +34,13 @@ from safetensors.torch import load_file, save_file
 
 from ..config import DEFAULT_FIT_BIAS, KVCalibration, KVFitConfig
 from ..errors import ConfigError, InputError, UnsupportedModelError
-from ..frontend.arch import arch_spec
+from ..frontend.arch import KV_PARTS, arch_spec, kv_projections
 from ..fsutil import atomic_path
 from ..passes.pop import Projection
 from .images import ImageWindow
 from .images import layer_inputs as image_layer_inputs
 
-PARTS = ("k_proj", "v_proj")
+PARTS = KV_PARTS
 #: how the weights were made: closed-form ridge (this module) or distilled on the output (distill.py)
 METHODS = ("ridge", "distill")
 
@@ -220,7 +220,7 @@ class CutMoments:
         if not self.cuts or not all(1 <= c < self.num_layers for c in self.cuts):
             raise ConfigError(f"cuts {self.cuts} must be non-empty and within 1..{self.num_layers - 1} "
                               "(a cut of L prunes nothing)")
-        self.projs = [[layer.get_submodule(getattr(spec, part)) for part in PARTS] for layer in layers]
+        self.projs = [[kv_projections(spec, layer)[part] for part in PARTS] for layer in layers]
         width = model.config.get_text_config().hidden_size  # a VLM's text decoder's
         if spec.input_norm is None:  # post-norm layers: the projections read h itself, n(h) = h, s = 1
             self.norms = [torch.nn.Identity() for _ in layers]
@@ -404,8 +404,7 @@ def model_kv_shapes(model: torch.nn.Module, first: int) -> KVShapes:
     spec, layers = arch_spec(model.config), model.get_decoder().layers
     shapes = {}
     for index in range(first, len(layers)):
-        for part in PARTS:
-            proj = layers[index].get_submodule(getattr(spec, part))
+        for part, proj in kv_projections(spec, layers[index]).items():
             shapes.setdefault(index, {})[part] = (tuple(proj.weight.shape),
                                                   None if proj.bias is None else tuple(proj.bias.shape))
     return shapes

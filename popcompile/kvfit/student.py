@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import DistillConfig
 from ..errors import UnsupportedModelError
-from ..frontend.arch import arch_spec, finish_logits, pruned_kv
+from ..frontend.arch import arch_spec, finish_logits, kv_projections, pruned_kv
 from ..frontend.capture import cache_keyword
 from ..passes.pop import Projection
 from .calibrate import PARTS, CutMoments
@@ -208,8 +208,7 @@ def _prefix_kv(model, index: int, h_cut: torch.Tensor, parts: dict[str, Projecti
 
 def own_projections(model, index: int) -> dict[str, Projection]:
     spec, layer = arch_spec(model.config), model.get_decoder().layers[index]
-    return {part: Projection(p.weight, p.bias)
-            for part in PARTS for p in [layer.get_submodule(getattr(spec, part))]}
+    return {part: Projection(p.weight, p.bias) for part, p in kv_projections(spec, layer).items()}
 
 
 def head_logits(model, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:

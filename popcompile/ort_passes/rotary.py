@@ -14,8 +14,10 @@ step).
 ``cos_cache``/``sin_cache`` are this step's own cos/sin (``[Bc, 1, S, D]``), their first halves as
 ``[Bc*S, D/2]`` rows, and ``positions [Bc, S]`` index them (row ``b*S + s``). That the halves are equal
 (HF's ``cat(freqs, freqs)``) is checked on the graph: cos/sin must come from ``Cos``/``Sin`` of a
-``Concat(f, f)``, through Unsqueeze, Cast or a scalar Mul. Anything else (another rotation, a partial one)
-keeps its ops.
+``Concat(f, f)``, through Unsqueeze, Cast or a scalar Mul, and that their rows run along x's dim 2 (the
+[B,H,S,D] layout: a [B,S,H,D] x with S = 1 has a static dim 1 too). A partial rotation (Phi-3: the first r
+of D channels rotated, ``Concat(rope(x[..., :r]), x[..., r:])``) is one RotaryEmbedding with
+``rotary_embedding_dim = r`` on the whole rows. Anything else (another rotation) keeps its ops.
 """
 from __future__ import annotations
 
@@ -51,18 +53,25 @@ def fuse_rotary(proto: onnx.ModelProto) -> int:
     consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
     shapes, reading = declared_shapes(graph), readers(graph)
-    added, caches, count, head_dims, kept = [], {}, 0, set(), []
+    added, caches, count, head_dims, gone = [], {}, 0, set(), set()
     for node in list(graph.node):
         match = _match(node, producer, consts, shapes) if node.op_type == "Add" else None
         if match is None:
-            kept.append(node)
             continue
         x, cos, sin = match
+        y, rotary_dim = node.output[0], None
+        partial = _partial(node, x, producer, reading, consts, shapes)
+        if partial is not None:  # Concat(rotated x[..., :r], x[..., r:]): one RotaryEmbedding of all of x
+            concat, x, rotary_dim = partial
+            y = concat.output[0]
+            gone.add(id(concat))
+        gone.add(id(node))
         head_dims.add(shapes[x][3])
         inputs = [_positions(cos, caches, added), _cache(cos, caches, added), _cache(sin, caches, added)]
-        added += _rotary_nodes(node.output[0], x, inputs, shapes[x], producer, reading, shapes, consts, count)
+        added += _rotary_nodes(y, x, inputs, shapes[x], producer, reading, shapes, consts, count, rotary_dim)
         count += 1
     if count:
+        kept = [node for node in graph.node if id(node) not in gone]
         _constants(graph, head_dims)
         del graph.node[:]
         graph.node.extend([*kept, *added])
@@ -82,9 +91,44 @@ def _match(add, producer, consts, shapes) -> tuple[str, str, str] | None:
             if x is None or x not in straight.input:
                 continue
             cos = straight.input[1] if straight.input[0] == x else straight.input[0]
-            if _halves_equal(cos, producer, consts, "Cos") and _halves_equal(sin, producer, consts, "Sin"):
+            if (_halves_equal(cos, producer, consts, "Cos") and _halves_equal(sin, producer, consts, "Sin")
+                    and _rows_agree(x, cos, shapes) and _rows_agree(x, sin, shapes)):
                 return x, cos, sin
     return None
+
+
+def _rows_agree(x: str, trig: str, shapes) -> bool:
+    """Whether cos/sin ``trig`` [Bc,1,S,D] (as declared) rotate x along x's dim 2, the [B,H,S,D] layout the
+    rewrite assumes. A static dim 1 alone does not tell the layouts apart: a [B,S,H,D] x with S = 1 (the
+    folded prefill's last position) has one too, and its cos/sin [B,1,1,D] then have 1 where x has H.
+    Undeclared shapes are not compared."""
+    xs, ts = shapes.get(x), shapes.get(trig)
+    if not (xs and ts and len(xs) == len(ts) == 4):
+        return True
+    return ts[1] in (1, None) and (xs[2] is None or ts[2] is None or xs[2] == ts[2])
+
+
+def _partial(add, x: str, producer, reading, consts, shapes) -> tuple | None:
+    """(the Concat, the whole x, r) where ``add`` rotates only the first r of x's D channels and a Concat
+    appends the rest: ``Concat(add(x[..., :r]), x[..., r:])`` on the last axis (Phi-3's partial rotary), x
+    [B,H,S,D] with static H and D; else None."""
+    low = producer.get(x)
+    whole = low.input[0] if _is(low, "Slice") else None
+    shape = shapes.get(whole)
+    if not (shape and len(shape) == 4 and all(isinstance(d, int) for d in (shape[1], shape[3]))):
+        return None
+    rotary, users = _slice(low, consts), reading.get(add.output[0], ())
+    if not rotary or rotary[0] != 0 or not 0 < rotary[1] < shape[3] or len(users) != 1:
+        return None
+    concat = reading[add.output[0]][0]
+    if not (_is(concat, "Concat") and list(concat.input[:1]) == [add.output[0]] and len(concat.input) == 2
+            and {a.name: a.i for a in concat.attribute}.get("axis") in (-1, 3)):
+        return None
+    rest = producer.get(concat.input[1])
+    if not (_is(rest, "Slice") and rest.input[0] == whole and _slice(rest, consts)[:1] == (rotary[1],)
+            and _slice(rest, consts)[1] >= shape[3]):
+        return None
+    return concat, whole, rotary[1]
 
 
 def _rotate_half_source(concat, producer, consts, shapes) -> str | None:
@@ -177,13 +221,17 @@ def _positions(cos: str, caches: dict, added: list) -> str:
 
 
 def _rotary_nodes(y: str, x: str, inputs: list[str], shape: list, producer, reading, shapes, consts,
-                  index: int) -> list:
+                  index: int, rotary_dim: int | None = None) -> list:
     """RotaryEmbedding on ``x``'s token rows, and ``y`` [B,H,S,D] again for readers other than GQA's
-    flattening."""
+    flattening. ``rotary_dim``: only the first ``rotary_dim`` channels of each head rotate (partial rotary:
+    onnxruntime's ``rotary_embedding_dim``), the rest pass through."""
     name, heads, head_dim = f"{_PREFIX}/{index}", shape[1], shape[3]
+    partial = {} if rotary_dim is None else {"rotary_embedding_dim": rotary_dim, "num_heads": heads}
     tokens, nodes = _token_rows(x, producer, consts, name)
     if tokens is None:  # x is not a transpose of token rows: rotate x [B,H,S,D] as it is
-        return [helper.make_node("RotaryEmbedding", [x, *inputs], [y], domain="com.microsoft", interleaved=0)]
+        return [helper.make_node("RotaryEmbedding", [x, *inputs], [y], domain="com.microsoft", interleaved=0,
+                                 **partial)]
+    partial.pop("num_heads", None)
     for reader in reading[y]:  # y ─ Transpose ─ Reshape [B,S,H*D]: that Reshape becomes Identity(y3)
         if _is(reader, "Transpose") and transpose_perm(reader) == _BSNH:
             for flat in reading[reader.output[0]]:
@@ -191,7 +239,7 @@ def _rotary_nodes(y: str, x: str, inputs: list[str], shape: list, producer, read
                     _identity(flat, f"{name}/y3")
     return [*nodes, helper.make_node("Reshape", [tokens, f"{_PREFIX}/bsd"], [f"{name}/rows"]),
             helper.make_node("RotaryEmbedding", [f"{name}/rows", *inputs], [f"{name}/y3"],
-                             domain="com.microsoft", interleaved=0, num_heads=heads),
+                             domain="com.microsoft", interleaved=0, num_heads=heads, **partial),
             helper.make_node("Reshape", [f"{name}/y3", f"{_PREFIX}/bshd/{head_dim}"], [f"{name}/bshd"]),
             helper.make_node("Transpose", [f"{name}/bshd"], [y], perm=_BSNH)]
 

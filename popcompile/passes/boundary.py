@@ -37,6 +37,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .fused import FusedProjectionError, split_fused_projections
 from .layers import find_layers, is_logits, layer_part, module_path
 from .pop import LINEAR, KVWeights, Projection, eliminate_dead_code, rewire_deep_layers, weight_constant
 
@@ -68,6 +69,11 @@ def fold_boundary_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | Non
     seq, seq_dim = _sequence(layers[0].input)
     if cut == len(layers):
         return BoundaryResult(gm, cut, len(layers), seq)
+    try:
+        if split_fused_projections(gm.graph, layers[cut:]):  # Phi-3's qkv_proj: K and V nodes of their own
+            layers = find_layers(gm.graph)
+    except FusedProjectionError as err:
+        raise UnsupportedGraph(str(err)) from None
     copier = _LastPosition(gm.graph, seq)
     h_cut, nodes = layers[cut].input, list(gm.graph.nodes)  # the graph's own nodes, before the seed's
     # x̄ of h_cut, copied contiguous: a post-norm layer (OLMo 2) feeds it to q_proj's linear directly, and a

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+#: a linear projection in an ATen graph (torch.export) or a torch-level graph (dynamo)
+LINEAR = (torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
+
 _LAYER_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.(.+))?$")
 INPUT_NORM = "input_layernorm"
 #: what reads a post-norm layer's input (OLMo 2: no input norm; the attention's projections read the residual

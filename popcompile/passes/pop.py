@@ -35,7 +35,8 @@ import torch
 import torch.fx as fx
 
 from ..config import resolve_cut
-from .layers import Layer, find_layers, is_logits, module_path
+from .fused import fused_node, kv_row_shapes, split_fused_projections
+from .layers import LINEAR, Layer, find_layers, is_logits, module_path
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ def pop_pass(gm: fx.GraphModule, cut: int, kv_weights: KVWeights | None = None) 
     cut = resolve_cut(len(layers), cut=cut)
     _drop_logits(gm.graph)
     if cut < len(layers):
+        if split_fused_projections(gm.graph, layers[cut:]):  # Phi-3's qkv_proj: K and V nodes of their own
+            layers = find_layers(gm.graph)
         h_cut = layers[cut].input
         rewire_deep_layers(layers, cut, lambda layer: h_cut)
     for index, projections in (kv_weights or {}).items():
@@ -110,6 +113,11 @@ def kv_projection_shapes(graph: fx.Graph, first: int, parts: tuple[str, ...] = (
     read from the graph (what a K/V fit must match where no model is at hand: torch.compile)."""
     shapes = {}
     for layer in find_layers(graph)[first:]:
+        fused = fused_node(layer)
+        if fused is not None:  # K and V are rows of one fused projection (fused.py)
+            shapes[layer.index] = {part: shape for part, shape in kv_row_shapes(fused, layer.index).items()
+                                   if part in parts}
+            continue
         for part in parts:
             node = _projection_node(layer, part)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -191,9 +199,6 @@ def _fresh(value: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and all(
         ret.alias_info is None for ret in target._schema.returns)
 
-
-#: a linear projection in an ATen graph (torch.export) or a torch-level graph (dynamo)
-LINEAR = (torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
 
 _ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
 

@@ -47,10 +47,12 @@ from ...reference import decoder_layers
 #: "module path.param" -> replacement tensor
 WeightTransform = dict[str, torch.Tensor]
 
-#: module names inside a decoder layer that SliceGPT rewrites (besides ArchSpec's input_norm, k_proj, v_proj)
+#: module names inside a decoder layer that SliceGPT rewrites (besides ArchSpec's input_norm, k_proj, v_proj
+#: or fused_qkv)
 _ATTENTION_READERS = ("self_attn.q_proj",)
 _MLP_NORM = "post_attention_layernorm"
 _MLP_READERS = ("mlp.gate_proj", "mlp.up_proj")
+_FUSED_MLP_READERS = ("mlp.gate_up_proj",)  # Phi-3's gate and up projections, one Linear
 _WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 _FINAL_NORM = "norm"  # inside the decoder (model.get_decoder())
 
@@ -158,11 +160,29 @@ def slicegpt_refusal(config) -> str | None:
     return None
 
 
+def _attention_readers(spec) -> tuple[str, ...]:
+    """The linears reading the input norm: q, k and v, or the one fused [q; k; v] projection (Phi-3)."""
+    return (spec.fused_qkv,) if spec.fused_qkv else (spec.k_proj, spec.v_proj, *_ATTENTION_READERS)
+
+
+def _mlp_readers(layer: torch.nn.Module) -> tuple[str, ...]:
+    """The linears reading the post-attention norm: gate and up, or Phi-3's one gate_up_proj."""
+    fused = all(_has(layer, name) for name in _FUSED_MLP_READERS)
+    return _FUSED_MLP_READERS if fused else _MLP_READERS
+
+
+def _has(layer: torch.nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _layer_parts(model, layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The modules SliceGPT rewrites in one decoder layer; ConfigError naming what is missing."""
     spec = arch_spec(model.config)
-    names = (spec.input_norm, spec.k_proj, spec.v_proj, *_ATTENTION_READERS, _MLP_NORM, *_MLP_READERS,
-             *_WRITERS)
+    names = (spec.input_norm, *_attention_readers(spec), _MLP_NORM, *_mlp_readers(layer), *_WRITERS)
     try:
         return {name: layer.get_submodule(name) for name in names}
     except AttributeError as missing:
@@ -209,8 +229,7 @@ def slice_model(model, rotation: torch.Tensor, slicing: float) -> WeightTransfor
     out: WeightTransform = {}
     for layer in decoder_layers(model):
         parts = _layer_parts(model, layer)
-        for norm, readers in ((spec.input_norm, (spec.k_proj, spec.v_proj, *_ATTENTION_READERS)),
-                              (_MLP_NORM, _MLP_READERS)):
+        for norm, readers in ((spec.input_norm, _attention_readers(spec)), (_MLP_NORM, _mlp_readers(layer))):
             scale = parts[norm].weight
             out[f"{paths[id(parts[norm])]}.weight"] = norm_scale(parts[norm])
             out.update({f"{paths[id(parts[r])]}.weight": _read(parts[r].weight, scale, q) for r in readers})
